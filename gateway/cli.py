@@ -1,0 +1,340 @@
+"""The ``realm`` command. Parses flags, calls one typed function, prints its reply.
+
+Exit codes: 0 ok, 1 refused (``status: error`` with a code), 2 usage,
+3 bad config, 4 store unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import orjson
+
+from gateway import replies
+from gateway.config import Config, load_config
+from gateway.connection import DEFAULT_DATA_DIR, redis_client, redis_target
+from gateway.embedded import ServerNotFound
+from gateway.errors import ConfigError, RealmError, StoreUnavailable
+from gateway.store import LIVE_MATCH, PHASES, TERMINAL_MATCH, Run, RunStore
+
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_CONFIG = 3
+EXIT_UNAVAILABLE = 4
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def store_options(func: F) -> F:
+    """The options every command that talks to the store takes."""
+    options = [
+        click.option(
+            "--config", "config_path", default="triggers.yaml", show_default=True,
+            envvar="REALM_CONFIG", type=click.Path(dir_okay=False),
+            help="The triggers.yaml that defines the workflows. [env: REALM_CONFIG]",
+        ),
+        click.option(
+            "--redis-url", envvar="REALM_REDIS_URL", default=None,
+            help="redis:// or unix:// URL; without it, the embedded server. "
+                 "[env: REALM_REDIS_URL]",
+        ),
+        click.option(
+            "--data-dir", envvar="REALM_DATA_DIR", default=DEFAULT_DATA_DIR, show_default=True,
+            type=click.Path(file_okay=False),
+            help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+T = TypeVar("T")
+
+
+def with_store(
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    work: Callable[[RunStore], Awaitable[T]],
+) -> T:
+    """Load the workflows, open the store (embedded or not), run ``work`` on it.
+
+    Config errors and an unreachable store end the command with a clear
+    message and their exit code; coded errors reach the caller.
+    """
+    config = _load_workflows(config_path)
+    try:
+        with redis_target(redis_url, data_dir) as target:
+            click.echo(f"using {target.description}", err=True)
+
+            async def run() -> T:
+                client = redis_client(target.url, config.settings.redis_timeout)
+                try:
+                    return await work(RunStore(client, config))
+                finally:
+                    await client.aclose()
+
+            return asyncio.run(run())
+    except (ServerNotFound, RuntimeError) as exc:
+        if isinstance(exc, RealmError):
+            raise
+        click.echo(f"error: cannot start the embedded server: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+
+
+def _load_workflows(config_path: str) -> Config:
+    try:
+        return load_config(config_path, with_triggers=False)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+
+
+def reports_errors(func: F) -> F:
+    """Print coded errors as DESIGN §4 says, with their exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = kwargs.get("as_json", False)
+        try:
+            return func(*args, **kwargs)
+        except RealmError as exc:
+            if as_json:
+                click.echo(orjson.dumps(replies.error_json(exc)).decode())
+            else:
+                click.echo(replies.error_text(exc))
+            sys.exit(EXIT_UNAVAILABLE if isinstance(exc, StoreUnavailable) else EXIT_REFUSED)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _emit(as_json: bool, text: str, data: dict[str, Any]) -> None:
+    click.echo(orjson.dumps(data).decode() if as_json else text)
+
+
+@click.group()
+@click.version_option(package_name="realm-gateway")
+def main() -> None:
+    """Realm Gateway: verified webhooks become exactly-once workflow runs."""
+
+
+@main.group()
+def run() -> None:
+    """Start and manage workflow runs."""
+
+
+def _read_params(value: str | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    source = "--params"
+    if value.startswith("@"):
+        source = value[1:]
+        try:
+            value = Path(source).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {source}: {exc.strerror}") from None
+    try:
+        params = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"{source} is not valid JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise click.BadParameter(f"{source} must be a JSON object")
+    return params
+
+
+@run.command("start")
+@click.argument("workflow")
+@click.option("--params", "params_arg", help="JSON object, or @file.json.")
+@click.option("--key", default=None, help="Idempotency key: a repeat with it starts no new run.")
+@click.option(
+    "--on-live-match",
+    type=click.Choice(LIVE_MATCH),
+    default="use_existing",
+    show_default=True,
+    help="What a repeat does while the key's run is live.",
+)
+@click.option(
+    "--on-terminal-match",
+    type=click.Choice(TERMINAL_MATCH),
+    default="reuse",
+    show_default=True,
+    help="What a repeat does after the key's run ended.",
+)
+@store_options
+@reports_errors
+def run_start(
+    workflow: str,
+    params_arg: str | None,
+    key: str | None,
+    on_live_match: Any,
+    on_terminal_match: Any,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """Start a run of WORKFLOW, or return the run its key already has."""
+    params = _read_params(params_arg)
+    result = with_store(
+        config_path, redis_url, data_dir,
+        lambda store: store.start_run(workflow, params, key, on_live_match, on_terminal_match),
+    )  # fmt: skip
+    _emit(as_json, replies.start_text(result), replies.start_json(result))
+
+
+@run.command("show")
+@click.argument("run_id")
+@store_options
+@reports_errors
+def run_show(
+    run_id: str, config_path: str, redis_url: str | None, data_dir: str, as_json: bool
+) -> None:
+    """Print a run's fields."""
+    found = with_store(config_path, redis_url, data_dir, lambda store: store.get_run(run_id))
+    _emit(as_json, _run_text(found), found.as_dict())
+
+
+def _run_text(run: Run) -> str:
+    lines = [
+        f"Run: {run.id}",
+        f"Workflow: {run.workflow}",
+        f"Phase: {run.phase}",
+        f"Step: {run.step or '-'} ({' → '.join(run.steps)})",
+        f"Idempotency key: {run.key or '-'}",
+        f"Params: {orjson.dumps(dict(run.params)).decode()}",
+        f"Created: {_ms(run.created_ms)}",
+        f"Updated: {_ms(run.updated_ms)}",
+    ]
+    if run.ended_ms:
+        lines.append(f"Ended: {_ms(run.ended_ms)}")
+    if run.rerun_of:
+        lines.append(f"Rerun of: {run.rerun_of}")
+    if run.error:
+        lines.append(f"Error: {run.error}")
+    return "\n".join(lines)
+
+
+def _ms(ms: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+@run.command("list")
+@click.option("--workflow", default=None, help="Only this workflow (default: every workflow).")
+@click.option("--key", default=None, help="Only runs of this idempotency key (needs --workflow).")
+@click.option("--phase", type=click.Choice(PHASES), default=None)
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+@store_options
+@reports_errors
+def run_list(
+    workflow: str | None,
+    key: str | None,
+    phase: str | None,
+    limit: int,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """List runs, newest first."""
+    if key and not workflow:
+        raise click.UsageError("--key needs --workflow: a key belongs to one workflow")
+
+    async def work(store: RunStore) -> list[Run]:
+        names = [workflow] if workflow else sorted(store.config.workflows)
+        found: list[Run] = []
+        for name in names:
+            runs, _ = await store.list_runs(name, key=key, phase=phase, limit=limit)
+            found += runs
+        return sorted(found, key=lambda r: r.created_ms, reverse=True)[:limit]
+
+    runs = with_store(config_path, redis_url, data_dir, work)
+    if as_json:
+        click.echo(orjson.dumps({"runs": [r.as_dict() for r in runs]}).decode())
+        return
+    if not runs:
+        click.echo("no runs")
+    for r in runs:
+        click.echo(f"{r.id}  {r.workflow:<16} {r.phase:<10} {r.step or '-':<12} {r.key or '-'}")
+
+
+@run.command("cancel")
+@click.argument("run_id", required=False)
+@click.option("--workflow", default=None, help="With --key: cancel the key's live run.")
+@click.option("--key", default=None)
+@store_options
+@reports_errors
+def run_cancel(
+    run_id: str | None,
+    workflow: str | None,
+    key: str | None,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """Cancel RUN_ID, or the live run of --workflow W --key K. Ended runs stay as they are."""
+    if bool(run_id) == bool(workflow and key) or (workflow is None) != (key is None):
+        raise click.UsageError("give either RUN_ID or both --workflow and --key")
+    if run_id:
+        count = with_store(config_path, redis_url, data_dir, lambda store: store.cancel_run(run_id))
+    else:
+        assert workflow and key
+        count = with_store(
+            config_path, redis_url, data_dir, lambda store: store.cancel_key(workflow, key)
+        )
+    _emit(as_json, f"status: ok\ncancelled: {count}", {"status": "ok", "cancelled": count})
+
+
+@run.command("complete")
+@click.argument("run_id")
+@click.option("--step", required=True, help="The step that finished (must be the current one).")
+@store_options
+@reports_errors
+def run_complete(
+    run_id: str, step: str, config_path: str, redis_url: str | None, data_dir: str, as_json: bool
+) -> None:
+    """Record that RUN_ID's current step finished; queue the next step."""
+    result = with_store(
+        config_path, redis_url, data_dir, lambda store: store.complete_step(run_id, step)
+    )
+    if result.next_step:
+        sentence = f"Step '{step}' done. Ready for the agent: '{result.next_step}'."
+    else:
+        sentence = f"Step '{step}' done; run '{run_id}' is completed."
+    text = f"status: ok\nrun_id: {run_id}\nphase: {result.phase}\n{sentence}"
+    data = {"status": "ok", "run_id": run_id, "phase": result.phase,
+            "next_step": result.next_step, "message": sentence}  # fmt: skip
+    _emit(as_json, text, data)
+
+
+@run.command("fail")
+@click.argument("run_id")
+@click.option("--error", "error_text", default="", help="Why it failed (stored with the run).")
+@store_options
+@reports_errors
+def run_fail(
+    run_id: str,
+    error_text: str,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """End a live run as failed."""
+    found = with_store(
+        config_path, redis_url, data_dir, lambda store: store.fail_run(run_id, error_text)
+    )
+    sentence = f"Run '{run_id}' failed."
+    text = f"status: ok\nrun_id: {run_id}\nphase: {found.phase}\n{sentence}"
+    _emit(as_json, text, {"status": "ok", "run_id": run_id, "phase": found.phase,
+                          "message": sentence})  # fmt: skip

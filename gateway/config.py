@@ -1,0 +1,244 @@
+"""``triggers.yaml`` → frozen dataclasses. Every error names the file, the entry and the field.
+
+The ``workflows:`` part lives here; the ``triggers:`` part is compiled by
+``gateway.triggers``. Commands that only start or manage runs load the
+workflows alone, so they need none of the webhook secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from jsonschema import validators
+from jsonschema.exceptions import SchemaError
+
+from gateway.errors import ConfigError, RealmError
+from gateway.keys import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from gateway.triggers import Trigger
+
+# Workflow names become part of every Redis key, inside the hash tag: no braces,
+# no colons, nothing that needs quoting in a URL path either.
+WORKFLOW_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+RETENTION = re.compile(r"^([1-9][0-9]*)([dhms])$")
+RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
+DEFAULT_RETENTION = "7d"
+WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "description"}
+TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
+SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout"}
+DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
+DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
+
+
+@dataclass(frozen=True)
+class Workflow:
+    name: str
+    steps: tuple[str, ...]
+    retention_ms: int
+    params_schema: Mapping[str, Any] | None = None
+    _validator: Any = field(default=None, repr=False, compare=False)
+
+    def params_errors(self, params: object) -> list[str]:
+        """Every way ``params`` fails the schema, each as ``<where>: <reason>``."""
+        if self._validator is None:
+            return []
+        errors = sorted(self._validator.iter_errors(params), key=lambda e: list(e.path))
+        return [f"{_json_path(e.absolute_path)}: {e.message}" for e in errors]
+
+    def check_params(self, params: object) -> None:
+        """Raise ``VALIDATION_PARAMS`` naming each failing field and why."""
+        errors = self.params_errors(params)
+        if errors:
+            raise RealmError(
+                "VALIDATION_PARAMS",
+                f"params for workflow '{self.name}' do not fit its params_schema: "
+                + "; ".join(errors),
+            )
+
+
+@dataclass(frozen=True)
+class Settings:
+    key_prefix: str = DEFAULT_PREFIX
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    redis_timeout: float = DEFAULT_REDIS_TIMEOUT
+
+
+@dataclass(frozen=True)
+class Config:
+    file: str
+    workflows: Mapping[str, Workflow]
+    settings: Settings = Settings()
+    triggers: Mapping[str, Trigger] = field(default_factory=dict)
+
+    def workflow(self, name: str) -> Workflow:
+        try:
+            return self.workflows[name]
+        except KeyError:
+            known = ", ".join(sorted(self.workflows)) or "none"
+            raise RealmError(
+                "NOT_FOUND_WORKFLOW",
+                f"Workflow '{name}' is not defined in {self.file} (defined: {known}).",
+            ) from None
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    with_triggers: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Read and check a ``triggers.yaml``. Raises ``ConfigError`` on any problem."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(file, "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(file, f"cannot read file: {exc}") from None
+    return parse_config(text, file=file, with_triggers=with_triggers, env=env)
+
+
+def parse_config(
+    text: str,
+    *,
+    file: str = "triggers.yaml",
+    with_triggers: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(file, f"not valid YAML{where}: {problem}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(file, "must be a mapping with 'version', 'workflows' and 'triggers'")
+    unknown = sorted(str(k) for k in doc if k not in TOP_FIELDS)
+    if unknown:
+        raise ConfigError(
+            file, f"unknown top-level field(s) {unknown}; allowed: {sorted(TOP_FIELDS)}"
+        )
+    if doc.get("version") != 1:
+        raise ConfigError(file, f"field 'version' must be 1 (got {doc.get('version')!r})")
+    workflows = _parse_workflows(doc.get("workflows"), file)
+    settings = _parse_settings(doc.get("settings"), file)
+    triggers: Mapping[str, Trigger] = {}
+    if with_triggers and doc.get("triggers") is not None:
+        from gateway.triggers import parse_triggers
+
+        triggers = parse_triggers(
+            doc["triggers"],
+            file=file,
+            workflows=workflows.keys(),
+            env=os.environ if env is None else env,
+        )
+    return Config(file=file, workflows=workflows, settings=settings, triggers=triggers)
+
+
+def parse_retention(value: object) -> int:
+    """``7d``, ``36h``, ``90m``, ``30s`` → milliseconds. Raises ValueError."""
+    match = RETENTION.match(value) if isinstance(value, str) else None
+    if not match:
+        raise ValueError(f"must be a duration like '7d', '36h' or '90m' (got {value!r})")
+    return int(match.group(1)) * RETENTION_UNIT_MS[match.group(2)]
+
+
+def _parse_workflows(raw: object, file: str) -> dict[str, Workflow]:
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(file, "field 'workflows' must be a non-empty mapping of name → workflow")
+    return {str(name): _parse_workflow(name, spec, file) for name, spec in raw.items()}
+
+
+def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
+    def error(field_name: str | None, message: str) -> ConfigError:
+        return ConfigError(file, message, section="workflow", name=str(name), field=field_name)
+
+    if not isinstance(name, str) or not WORKFLOW_NAME.match(name):
+        raise error(
+            None,
+            "workflow names use letters, digits, '_', '.' and '-' (at most 100, "
+            "starting with a letter or digit)",
+        )
+    if not isinstance(raw, dict):
+        raise error(
+            None, "must be a mapping with 'steps' (and optionally 'params_schema', 'retention')"
+        )
+    unknown = sorted(str(k) for k in raw if k not in WORKFLOW_FIELDS)
+    if unknown:
+        raise error(unknown[0], f"unknown field; allowed: {sorted(WORKFLOW_FIELDS)}")
+
+    steps = raw.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise error("steps", "must be a non-empty list of step names")
+    for i, step in enumerate(steps):
+        if not isinstance(step, str) or not step.strip():
+            raise error(f"steps[{i}]", f"must be a non-empty string (got {step!r})")
+    if len(set(steps)) != len(steps):
+        raise error("steps", "step names must be unique")
+
+    try:
+        retention_ms = parse_retention(raw.get("retention", DEFAULT_RETENTION))
+    except ValueError as exc:
+        raise error("retention", str(exc)) from None
+
+    schema = raw.get("params_schema")
+    validator = None
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise error("params_schema", "must be a JSON Schema object (a mapping)")
+        cls = validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except SchemaError as exc:
+            where = _json_path(exc.absolute_path)
+            raise error(
+                "params_schema", f"not a valid JSON Schema at {where}: {exc.message}"
+            ) from None
+        validator = cls(schema)
+    return Workflow(
+        name=name,
+        steps=tuple(steps),
+        retention_ms=retention_ms,
+        params_schema=schema,
+        _validator=validator,
+    )
+
+
+def _parse_settings(raw: object, file: str) -> Settings:
+    if raw is None:
+        return Settings()
+
+    def error(field_name: str | None, message: str) -> ConfigError:
+        return ConfigError(file, message, section="settings", field=field_name)
+
+    if not isinstance(raw, dict):
+        raise error(None, "must be a mapping")
+    unknown = sorted(str(k) for k in raw if k not in SETTINGS_FIELDS)
+    if unknown:
+        raise error(unknown[0], f"unknown field; allowed: {sorted(SETTINGS_FIELDS)}")
+    prefix = raw.get("key_prefix", DEFAULT_PREFIX)
+    if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,50}", prefix):
+        raise error("key_prefix", "must be 1-50 letters, digits, '_', '.' or '-'")
+    max_body = raw.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
+        raise error("max_body_bytes", f"must be a positive integer (got {max_body!r})")
+    timeout = raw.get("redis_timeout", DEFAULT_REDIS_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 60:
+        raise error("redis_timeout", f"must be seconds between 0 and 60 (got {timeout!r})")
+    return Settings(key_prefix=prefix, max_body_bytes=max_body, redis_timeout=float(timeout))
+
+
+def _json_path(path: Any) -> str:
+    """jsonschema's error path → ``$.a[0].b`` (``$`` for the params themselves)."""
+    out = "$"
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out

@@ -1,0 +1,48 @@
+"""The two error families: coded run-start errors (DESIGN §4) and config errors."""
+
+from __future__ import annotations
+
+
+class RealmError(Exception):
+    """A failure with a stable code from DESIGN §4, e.g. ``STATE_RUN_ALREADY_ACTIVE``.
+
+    The message is written for the caller and never holds a secret.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class StoreUnavailable(RealmError):
+    """Redis refused, timed out or dropped the connection: the outcome is unknown."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("STORE_UNAVAILABLE", message)
+
+
+class ConfigError(Exception):
+    """A bad ``triggers.yaml``: one line naming the file, the entry and the field."""
+
+    def __init__(
+        self,
+        file: str,
+        message: str,
+        *,
+        section: str | None = None,
+        name: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        where = [file]
+        if section and name is not None:
+            where.append(f"{section} '{name}'")
+        elif section:
+            where.append(section)
+        if field:
+            where.append(f"field '{field}'")
+        super().__init__(": ".join([*where, message]))
+        self.file = file
+        self.section = section
+        self.name = name
+        self.field = field

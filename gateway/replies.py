@@ -1,0 +1,62 @@
+"""The reply texts of DESIGN §4, shared by the CLI, MCP and the HTTP API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import RealmError
+from gateway.store import StartResult
+
+
+def start_sentence(result: StartResult) -> str:
+    if result.phase == "running":
+        after = f" Ready for the agent: '{result.next_step}'."
+    else:
+        after = f" The run has ended ('{result.phase}'); no step is ready."
+    if result.deduped:
+        return (
+            f"Matched existing run '{result.run_id}' (idempotent) in phase '{result.phase}'; "
+            f"no new run created.{after}"
+        )
+    if result.rerun_of:
+        return (
+            f"Run '{result.run_id}' created for workflow '{result.workflow}'; it supersedes run "
+            f"'{result.rerun_of}' under the same idempotency key ({result.superseded_by}).{after}"
+        )
+    return f"Run '{result.run_id}' created for workflow '{result.workflow}'.{after}"
+
+
+def start_text(result: StartResult) -> str:
+    lines = [
+        "status: ok",
+        f"deduped: {'true' if result.deduped else 'false'}",
+        f"run_id: {result.run_id}",
+    ]
+    if result.rerun_of:
+        lines.append(f"rerun_of: {result.rerun_of}")
+    if result.params_mismatch:
+        lines.append("params_mismatch: true")
+    lines.append(start_sentence(result))
+    return "\n".join(lines)
+
+
+def start_json(result: StartResult) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "deduped": result.deduped,
+        "run_id": result.run_id,
+        "rerun_of": result.rerun_of,
+        "workflow": result.workflow,
+        "phase": result.phase,
+        "next_step": result.next_step,
+        "params_mismatch": result.params_mismatch,
+        "message": start_sentence(result),
+    }
+
+
+def error_text(error: RealmError) -> str:
+    return f"status: error\n{error.code}: {error.message}"
+
+
+def error_json(error: RealmError) -> dict[str, Any]:
+    return {"status": "error", "code": error.code, "message": error.message}

@@ -1,0 +1,512 @@
+"""Typed async wrappers over the Lua scripts: the run-start semantics of DESIGN §3.
+
+Expected outcomes (a new run, a deduplicated one) are values; refusals by
+policy and bad input raise ``RealmError`` with the code of DESIGN §4; Redis
+trouble raises ``StoreUnavailable`` (the caller answers 503 and the sender
+retries, which deduplicates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import orjson
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
+
+from gateway.config import Config
+from gateway.errors import RealmError, StoreUnavailable
+from gateway.keys import Keys
+from gateway.scripts import Scripts
+
+LiveMatch = Literal["use_existing", "fail", "cancel_existing"]
+TerminalMatch = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
+ParamsMismatch = Literal["flag", "reject"]
+Phase = Literal["running", "completed", "failed", "cancelled"]
+
+LIVE_MATCH: tuple[str, ...] = ("use_existing", "fail", "cancel_existing")
+TERMINAL_MATCH: tuple[str, ...] = ("reuse", "reject", "rerun_if_failed", "rerun")
+PARAMS_MISMATCH: tuple[str, ...] = ("flag", "reject")
+PHASES: tuple[str, ...] = ("running", "completed", "failed", "cancelled")
+MAX_KEY_BYTES = 1024
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StartResult:
+    """What a start decided. ``deduped`` is False exactly when this call started ``run_id``."""
+
+    run_id: str
+    workflow: str
+    deduped: bool
+    phase: str
+    next_step: str | None
+    rerun_of: str | None = None
+    params_mismatch: bool = False
+    # Which setting made this start supersede ``rerun_of``: on_live_match or on_terminal_match.
+    superseded_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    workflow: str
+    key: str | None
+    phase: str
+    step: str | None
+    steps: tuple[str, ...]
+    params: Mapping[str, Any]
+    created_ms: int
+    updated_ms: int
+    ended_ms: int | None
+    rerun_of: str | None
+    error: str | None
+
+    @property
+    def next_step(self) -> str | None:
+        """The step a runner should do next; None once the run has ended."""
+        return self.step if self.phase == "running" else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.id,
+            "workflow": self.workflow,
+            "idempotency_key": self.key,
+            "phase": self.phase,
+            "next_step": self.next_step,
+            "steps": list(self.steps),
+            "params": dict(self.params),
+            "created_ms": self.created_ms,
+            "updated_ms": self.updated_ms,
+            "ended_ms": self.ended_ms,
+            "rerun_of": self.rerun_of,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    run_id: str
+    phase: str
+    next_step: str | None
+
+
+def canonical_params(params: Mapping[str, Any]) -> bytes:
+    """Params as stored and compared: JSON with sorted keys, no whitespace."""
+    return orjson.dumps(params, option=orjson.OPT_SORT_KEYS)
+
+
+def fingerprint_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class RunStore:
+    """Run starts and run state for the workflows of one config, in one Redis."""
+
+    def __init__(self, redis: Redis, config: Config, *, timeout: float | None = None) -> None:
+        self.redis = redis
+        self.config = config
+        self.prefix = config.settings.key_prefix
+        self.timeout = config.settings.redis_timeout if timeout is None else timeout
+        self.scripts = Scripts(redis)
+
+    def keys(self, workflow: str) -> Keys:
+        return Keys(self.prefix, workflow)
+
+    # -- starting runs -----------------------------------------------------------------
+
+    async def start_run(
+        self,
+        workflow: str,
+        params: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        on_live_match: LiveMatch = "use_existing",
+        on_terminal_match: TerminalMatch = "reuse",
+        on_params_mismatch: ParamsMismatch = "flag",
+        *,
+        fingerprint: str | None = None,
+        run_id: str | None = None,
+    ) -> StartResult:
+        """Start a run, or return the run that owns ``idempotency_key`` (DESIGN §3).
+
+        ``fingerprint`` is what a repeat is compared with to flag a params
+        mismatch; by default the digest of the canonical params. ``run_id`` is
+        for callers that must choose the id themselves; by default a new UUID.
+        """
+        wf = self.config.workflow(workflow)
+        params = {} if params is None else params
+        _check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        wf.check_params(params)
+        params_json = _params_json(params)
+        if idempotency_key is not None:
+            _check_key(idempotency_key)
+        new_id = run_id or str(uuid.uuid4())
+        keys = self.keys(workflow)
+        script_keys = [keys.run(new_id), keys.runs(), keys.stream()]
+        if idempotency_key is not None:
+            script_keys += [keys.pointer(idempotency_key), keys.key_runs(idempotency_key)]
+        argv = [
+            new_id,
+            workflow,
+            idempotency_key or "",
+            params_json,
+            fingerprint or fingerprint_of(params_json),
+            orjson.dumps(list(wf.steps)),
+            on_live_match,
+            on_terminal_match,
+            on_params_mismatch,
+            wf.retention_ms,
+        ]
+        async with self._deadline():
+            reply = await self._retrying(lambda: self.scripts.start_run(script_keys, argv))
+            if _text(reply[0]) == "need_old":
+                # cancel_existing must end the live run in the same script, and keys
+                # are never built inside Lua: name that run's key and call again.
+                # The script re-checks that the key still points at it; if another
+                # start moved the key meanwhile, go again (the deadline bounds it).
+                while True:
+                    old_id = _text(reply[1])
+                    reply = await self._retrying(
+                        lambda old_id=old_id: self.scripts.start_run(
+                            [*script_keys, keys.run(old_id)], argv
+                        )
+                    )
+                    if _text(reply[0]) != "need_old":
+                        break
+        return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
+
+    # -- reading runs ------------------------------------------------------------------
+
+    async def get_run(self, run_id: str, workflow: str | None = None) -> Run:
+        """The run with this id; ``NOT_FOUND_RUN`` if no workflow has it."""
+        _check_run_id(run_id)
+        names = [workflow] if workflow else list(self.config.workflows)
+        if workflow:
+            self.config.workflow(workflow)
+        run_keys = [self.keys(name).run(run_id) for name in names]
+        async with self._deadline():
+            found = await self._retrying(lambda: self._hgetall_many(run_keys))
+        for data in found:
+            if data:
+                return _run_from_hash(data)
+        raise RealmError("NOT_FOUND_RUN", f"No run '{run_id}' (it never existed or has expired).")
+
+    async def list_runs(
+        self,
+        workflow: str,
+        key: str | None = None,
+        phase: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Run], str | None]:
+        """Runs of a workflow, newest first, optionally of one key and one phase.
+
+        Returns the page and the cursor for the next one (None when done). The
+        cursor is an offset into the index, so runs started while paging can
+        shift a later page. Runs that expired are skipped here; reconcile
+        drops them from the indexes.
+        """
+        self.config.workflow(workflow)
+        if phase is not None and phase not in PHASES:
+            raise RealmError("VALIDATION_PARAMS", f"phase must be one of {', '.join(PHASES)}")
+        if not 1 <= limit <= 1000:
+            raise RealmError("VALIDATION_PARAMS", "limit must be between 1 and 1000")
+        keys = self.keys(workflow)
+        index = keys.runs() if key is None else keys.key_runs(key)
+        position = _parse_cursor(cursor)
+        runs: list[Run] = []
+        scanned = 0
+        async with self._deadline():
+            # Bounded work per call: a phase filter over a large store returns a
+            # short page and a cursor rather than walking everything at once.
+            while len(runs) < limit and scanned < 20 * limit + 1000:
+                batch = await self._retrying(
+                    lambda start=position: self.redis.zrevrange(index, start, start + 199)
+                )
+                if not batch:
+                    position = -1
+                    break
+                run_keys = [keys.run(_text(run_id)) for run_id in batch]
+                records = await self._retrying(
+                    lambda run_keys=run_keys: self._hgetall_many(run_keys)
+                )
+                scanned += len(batch)
+                for record in records:
+                    position += 1
+                    if record and (phase is None or _text(record[b"phase"]) == phase):
+                        runs.append(_run_from_hash(record))
+                        if len(runs) == limit:
+                            break
+        return runs, (None if position < 0 else str(position))
+
+    # -- moving runs on ----------------------------------------------------------------
+
+    async def complete_step(self, run_id: str, step: str) -> StepResult:
+        """Record that ``step`` finished; the run moves to its next step or completes."""
+        run = await self.get_run(run_id)
+        wf = self.config.workflow(run.workflow)
+        keys = self.keys(run.workflow)
+        script_keys = [keys.run(run_id), keys.stream(), *self._key_keys(keys, run)]
+        async with self._deadline():
+            reply = await self._retrying(
+                lambda: self.scripts.complete_step(script_keys, [run_id, step, wf.retention_ms])
+            )
+        outcome, phase, current = (_text(x) for x in reply)
+        if outcome == "not_found":
+            raise _run_not_found(run_id)
+        if outcome == "not_live":
+            raise _not_live(run_id, phase)
+        if outcome == "wrong_step":
+            raise RealmError(
+                "STATE_STEP_NOT_CURRENT",
+                f"Run '{run_id}' is at step '{current}', not '{step}'; the result was discarded.",
+            )
+        return StepResult(run_id, phase, current if outcome == "advanced" else None)
+
+    async def fail_run(self, run_id: str, error: str = "") -> Run:
+        """End a live run as failed. A run that already ended is refused: STATE_RUN_NOT_LIVE."""
+        outcome, phase = await self._end_run(run_id, "failed", error)
+        if outcome == "not_live":
+            raise _not_live(run_id, phase)
+        return await self.get_run(run_id)
+
+    async def cancel_run(self, run_id: str) -> int:
+        """Cancel a live run: 1. An ended run is left as it is: 0, never an error."""
+        outcome, _ = await self._end_run(run_id, "cancelled", "")
+        return 1 if outcome == "ended" else 0
+
+    async def cancel_key(self, workflow: str, key: str) -> int:
+        """Cancel the live run that ``key`` points at: 1, or 0 when there is none."""
+        self.config.workflow(workflow)
+        _check_key(key)
+        wf = self.config.workflows[workflow]
+        keys = self.keys(workflow)
+        pointer = keys.pointer(key)
+        async with self._deadline():
+            while True:  # until the key stays put between read and script
+                run_id = await self._retrying(lambda: self.redis.hget(pointer, "run"))
+                if run_id is None:
+                    return 0
+                expected = _text(run_id)
+                reply = await self._retrying(
+                    lambda expected=expected: self.scripts.cancel_key(
+                        [pointer, keys.key_runs(key), keys.run(expected)],
+                        [expected, wf.retention_ms],
+                    )
+                )
+                outcome = _text(reply[0])
+                if outcome != "moved":
+                    return 1 if outcome == "cancelled" else 0
+
+    async def ping(self) -> None:
+        async with self._deadline():
+            await self._retrying(self.redis.ping)
+
+    async def load_scripts(self) -> None:
+        """Load every script now, so a broken script or server fails at start-up."""
+        async with self._deadline():
+            for script in self.scripts.all():
+                await self._retrying(lambda script=script: self.redis.script_load(script.script))
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _end_run(self, run_id: str, phase: str, error: str) -> tuple[str, str]:
+        run = await self.get_run(run_id)
+        wf = self.config.workflow(run.workflow)
+        keys = self.keys(run.workflow)
+        script_keys = [keys.run(run_id), *self._key_keys(keys, run)]
+        async with self._deadline():
+            reply = await self._retrying(
+                lambda: self.scripts.end_run(script_keys, [run_id, phase, wf.retention_ms, error])
+            )
+        outcome, final = _text(reply[0]), _text(reply[1])
+        if outcome == "not_found":
+            raise _run_not_found(run_id)
+        return outcome, final
+
+    async def _hgetall_many(self, names: list[str]) -> list[dict[bytes, bytes]]:
+        # A fresh pipeline per try: a failed pipeline forgets its commands.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(name)
+            return await pipe.execute()
+
+    @staticmethod
+    def _key_keys(keys: Keys, run: Run) -> list[str]:
+        return [] if not run.key else [keys.pointer(run.key), keys.key_runs(run.key)]
+
+    @asynccontextmanager
+    async def _deadline(self) -> AsyncIterator[None]:
+        """One bound on a whole operation: never a hang, whatever Redis does."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"Redis did not answer within {self.timeout:g} s; the outcome is unknown, retry"
+            ) from None
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run one Redis call; on a dropped connection try once more on a fresh one.
+
+        Every script is safe to repeat: a repeated start finds its own run id
+        (the caller-id check), and a repeated end or step finds the run moved on.
+        """
+        for attempt in (1, 2):
+            try:
+                return await call()
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+                if attempt == 2:
+                    raise StoreUnavailable(f"Redis is unreachable: {_describe(exc)}") from None
+            except redis_errors.BusyLoadingError:
+                raise StoreUnavailable("Redis is loading its data; retry shortly") from None
+            except redis_errors.ResponseError as exc:
+                if str(exc).startswith(("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN")):
+                    raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
+                raise
+        raise AssertionError("unreachable")
+
+
+def _start_result(
+    workflow: str,
+    key: str | None,
+    on_live_match: str,
+    on_terminal_match: str,
+    reply: list[Any],
+) -> StartResult:
+    outcome, run_id, phase, step, rerun_of, mismatch = (_text(x) for x in reply)
+    if outcome == "created":
+        superseded_by = None
+        if rerun_of:
+            superseded_by = (
+                "on_live_match" if on_live_match == "cancel_existing" else "on_terminal_match"
+            )
+        return StartResult(
+            run_id=run_id,
+            workflow=workflow,
+            deduped=False,
+            phase=phase,
+            next_step=step if phase == "running" else None,
+            rerun_of=rerun_of or None,
+            superseded_by=superseded_by,
+        )
+    if outcome == "existing":
+        return StartResult(
+            run_id=run_id,
+            workflow=workflow,
+            deduped=True,
+            phase=phase,
+            next_step=step if phase == "running" else None,
+            params_mismatch=mismatch == "1",
+        )
+    if outcome == "active":
+        raise RealmError(
+            "STATE_RUN_ALREADY_ACTIVE",
+            f"Idempotency key for workflow '{workflow}' is owned by an active run "
+            f"'{run_id}' (phase '{phase}').",
+        )
+    if outcome == "used":
+        raise RealmError(
+            "STATE_IDEMPOTENCY_KEY_USED",
+            f"Idempotency key for workflow '{workflow}' was already used by run '{run_id}' "
+            f"(phase '{phase}'); on_terminal_match is '{on_terminal_match}'.",
+        )
+    if outcome == "conflict":
+        raise RealmError(
+            "STATE_IDEMPOTENCY_KEY_CONFLICT",
+            f"Idempotency key for workflow '{workflow}' is owned by run '{run_id}' "
+            f"(phase '{phase}'), which was started with different params; "
+            "on_params_mismatch is 'reject'.",
+        )
+    raise StoreUnavailable(f"unexpected reply from start_run for key {key!r}: {outcome}")
+
+
+def _run_from_hash(data: Mapping[bytes, bytes]) -> Run:
+    f = {_text(k): _text(v) for k, v in data.items()}
+    ended = f.get("ended_ms")
+    return Run(
+        id=f["id"],
+        workflow=f["workflow"],
+        key=f.get("key") or None,
+        phase=f["phase"],
+        step=f.get("step") or None,
+        steps=tuple(orjson.loads(f.get("steps", "[]"))),
+        params=orjson.loads(f.get("params", "{}")),
+        created_ms=int(f.get("created_ms", 0)),
+        updated_ms=int(f.get("updated_ms", 0)),
+        ended_ms=int(ended) if ended else None,
+        rerun_of=f.get("rerun_of") or None,
+        error=f.get("error") or None,
+    )
+
+
+def _params_json(params: Mapping[str, Any]) -> bytes:
+    if not isinstance(params, Mapping):
+        raise RealmError("VALIDATION_PARAMS", "params must be a JSON object")
+    try:
+        return canonical_params(params)
+    except TypeError as exc:
+        raise RealmError("VALIDATION_PARAMS", f"params must be JSON: {exc}") from None
+
+
+def _check_policies(live: str, terminal: str, mismatch: str) -> None:
+    for name, value, allowed in (
+        ("on_live_match", live, LIVE_MATCH),
+        ("on_terminal_match", terminal, TERMINAL_MATCH),
+        ("on_params_mismatch", mismatch, PARAMS_MISMATCH),
+    ):
+        if value not in allowed:
+            raise RealmError(
+                "VALIDATION_PARAMS", f"{name} must be one of {', '.join(allowed)} (got {value!r})"
+            )
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
+        raise RealmError(
+            "VALIDATION_PARAMS",
+            f"idempotency_key must be a non-empty string of at most {MAX_KEY_BYTES} bytes",
+        )
+
+
+def _check_run_id(run_id: str) -> None:
+    try:
+        uuid.UUID(run_id)
+    except (ValueError, TypeError, AttributeError):
+        raise RealmError("NOT_FOUND_RUN", f"No run '{run_id}': run ids are UUIDs.") from None
+
+
+def _parse_cursor(cursor: str | None) -> int:
+    if cursor is None:
+        return 0
+    if not cursor.isdigit():
+        raise RealmError("VALIDATION_PARAMS", f"cursor {cursor!r} is not one this API returned")
+    return int(cursor)
+
+
+def _run_not_found(run_id: str) -> RealmError:
+    return RealmError("NOT_FOUND_RUN", f"No run '{run_id}' (it never existed or has expired).")
+
+
+def _not_live(run_id: str, phase: str) -> RealmError:
+    return RealmError(
+        "STATE_RUN_NOT_LIVE",
+        f"Run '{run_id}' is not live (phase '{phase}'); the result was discarded.",
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _describe(exc: BaseException) -> str:
+    # redis-py messages can embed the URL; keep only the reason (no password).
+    text = str(exc).split(" connecting to ")[0]
+    return text or type(exc).__name__

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.config import Config, parse_config
+from gateway.connection import redis_client
+from gateway.store import RunStore
+from tests.servers import RedisServer
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+WORKFLOWS_YAML = """
+version: 1
+workflows:
+  sync:
+    steps: [fetch, transform, load]
+    retention: 2h
+  deploy:
+    steps: [fetch, build, release]
+    params_schema:
+      type: object
+      required: [repo, sha]
+      properties:
+        repo: {type: string}
+        sha: {type: string, pattern: "^[0-9a-f]{7,40}$"}
+  single:
+    steps: [only]
+    retention: 90m
+"""
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One private server for the session; each test starts from an empty one."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start servers of the test's own (for kills, restarts, settings)."""
+    started: list[RedisServer] = []
+
+    def start(*extra: str, appendonly: bool = False) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis{len(started)}", *extra, appendonly=appendonly)
+        started.append(server.start())
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def config() -> Config:
+    return parse_config(WORKFLOWS_YAML, file="test.yaml", with_triggers=False)
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = redis_client(redis_server.url, 5.0)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis: Redis, config: Config) -> RunStore:
+    return RunStore(redis, config, timeout=5.0)

@@ -1,0 +1,184 @@
+"""The `realm run` commands as a user runs them: real processes, real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import WORKFLOWS_YAML
+
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+def realm(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "REALM_REDIS_URL"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "triggers.yaml").write_text(WORKFLOWS_YAML)
+    return tmp_path
+
+
+@pytest.fixture
+def cli(workdir: Path, redis, redis_server):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return realm(*args, "--redis-url", redis_server.url, cwd=workdir)
+
+    return run
+
+
+def test_start_then_repeat_prints_the_documented_replies(cli):
+    first = cli("run", "start", "sync", "--key", "order-4417")
+    assert first.returncode == 0, first.stderr
+    run_id = re.search(rf"run_id: ({UUID})", first.stdout).group(1)
+    assert first.stdout == (
+        "status: ok\n"
+        "deduped: false\n"
+        f"run_id: {run_id}\n"
+        f"Run '{run_id}' created for workflow 'sync'. Ready for the agent: 'fetch'.\n"
+    )
+    assert "using Redis at redis://127.0.0.1:" in first.stderr
+
+    again = cli("run", "start", "sync", "--key", "order-4417")
+    assert again.stdout == (
+        "status: ok\n"
+        "deduped: true\n"
+        f"run_id: {run_id}\n"
+        f"Matched existing run '{run_id}' (idempotent) in phase 'running'; no new run created. "
+        "Ready for the agent: 'fetch'.\n"
+    )
+
+
+def test_fail_policy_prints_status_error_and_exits_non_zero(cli):
+    first = cli("run", "start", "sync", "--key", "k", "--json")
+    run_id = json.loads(first.stdout)["run_id"]
+    refused = cli("run", "start", "sync", "--key", "k", "--on-live-match", "fail")
+    assert refused.returncode == 1
+    assert refused.stdout == (
+        "status: error\n"
+        "STATE_RUN_ALREADY_ACTIVE: Idempotency key for workflow 'sync' is owned by an active "
+        f"run '{run_id}' (phase 'running').\n"
+    )
+    as_json = cli("run", "start", "sync", "--key", "k", "--on-live-match", "fail", "--json")
+    assert json.loads(as_json.stdout) == {
+        "status": "error",
+        "code": "STATE_RUN_ALREADY_ACTIVE",
+        "message": f"Idempotency key for workflow 'sync' is owned by an active run '{run_id}' "
+        "(phase 'running').",
+    }
+
+
+def test_rerun_after_completion_shows_lineage_in_reply_and_in_show(cli):
+    first = json.loads(cli("run", "start", "sync", "--key", "k", "--json").stdout)["run_id"]
+    for step in ("fetch", "transform", "load"):
+        done = cli("run", "complete", first, "--step", step)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "is completed" in done.stdout
+
+    rerun = cli("run", "start", "sync", "--key", "k", "--on-terminal-match", "rerun")
+    new = re.search(rf"run_id: ({UUID})", rerun.stdout).group(1)
+    assert rerun.stdout == (
+        "status: ok\n"
+        "deduped: false\n"
+        f"run_id: {new}\n"
+        f"rerun_of: {first}\n"
+        f"Run '{new}' created for workflow 'sync'; it supersedes run '{first}' under the same "
+        "idempotency key (on_terminal_match). Ready for the agent: 'fetch'.\n"
+    )
+    shown = cli("run", "show", new)
+    assert f"Rerun of: {first}\n" in shown.stdout
+    assert "Phase: running" in shown.stdout
+    listed = cli("run", "list", "--workflow", "sync", "--key", "k")
+    assert listed.stdout.index(new) < listed.stdout.index(first)
+
+
+def test_params_from_a_file_are_validated(cli, workdir: Path):
+    (workdir / "p.json").write_text('{"repo": "o/r", "sha": "zzz"}')
+    bad = cli("run", "start", "deploy", "--params", "@p.json")
+    assert bad.returncode == 1
+    assert bad.stdout.startswith("status: error\nVALIDATION_PARAMS: ")
+    assert "$.sha" in bad.stdout
+    (workdir / "p.json").write_text('{"repo": "o/r", "sha": "abcdef0"}')
+    good = cli("run", "start", "deploy", "--params", "@p.json", "--json")
+    assert json.loads(good.stdout)["next_step"] == "fetch"
+
+
+def test_cancel_by_run_and_by_key_and_fail(cli):
+    a = json.loads(cli("run", "start", "sync", "--key", "a", "--json").stdout)["run_id"]
+    b = json.loads(cli("run", "start", "sync", "--key", "b", "--json").stdout)["run_id"]
+    c = json.loads(cli("run", "start", "sync", "--json").stdout)["run_id"]
+    assert cli("run", "cancel", a).stdout == "status: ok\ncancelled: 1\n"
+    assert cli("run", "cancel", a).stdout == "status: ok\ncancelled: 0\n"
+    assert cli("run", "cancel", "--workflow", "sync", "--key", "b").stdout.endswith(
+        "cancelled: 1\n"
+    )
+    failed = cli("run", "fail", c, "--error", "disk full")
+    assert failed.returncode == 0
+    assert "Error: disk full" in cli("run", "show", c).stdout
+    late = cli("run", "complete", b, "--step", "fetch")
+    assert late.returncode == 1
+    assert late.stdout.startswith("status: error\nSTATE_RUN_NOT_LIVE: ")
+    assert "phase 'cancelled'" in late.stdout
+    listed = json.loads(cli("run", "list", "--phase", "cancelled", "--json").stdout)
+    assert {r["run_id"] for r in listed["runs"]} == {a, b}
+
+
+def test_unknown_workflow_and_run(cli):
+    out = cli("run", "start", "nope")
+    assert out.returncode == 1
+    assert out.stdout.startswith("status: error\nNOT_FOUND_WORKFLOW: Workflow 'nope'")
+    out = cli("run", "show", "6c48086c-cb0f-47ea-9c33-6279fe42ffdc")
+    assert out.stdout.startswith("status: error\nNOT_FOUND_RUN: ")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        ("version: 1\nworkflows:\n  w:\n    steps: []\n",
+         "triggers.yaml: workflow 'w': field 'steps': must be a non-empty list of step names"),
+        ("version: 1\nworkflows:\n  w:\n    steps: [a]\n    retention: 7 days\n",
+         "triggers.yaml: workflow 'w': field 'retention': must be a duration like '7d', '36h' "
+         "or '90m' (got '7 days')"),
+        ("version: 1\nworkflows:\n  w:\n    steps: [a]\n    params_schema: {type: objekt}\n",
+         "triggers.yaml: workflow 'w': field 'params_schema': not a valid JSON Schema at "
+         "$.type: 'objekt' is not valid under any of the given schemas"),
+        ("version: 1\nworkflows:\n  w:\n    stepz: [a]\n",
+         "triggers.yaml: workflow 'w': field 'stepz': unknown field; allowed: "
+         "['description', 'params_schema', 'retention', 'steps']"),
+        ("version: 2\nworkflows: {}\n", "triggers.yaml: field 'version' must be 1 (got 2)"),
+        ("version: 1\nworkflows: [\n", "triggers.yaml: not valid YAML at line 3, column 1"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_gets_one_clear_line_and_exit_3(workdir: Path, yaml_text, expected):
+    (workdir / "triggers.yaml").write_text(yaml_text)
+    out = realm("run", "list", "--redis-url", "redis://127.0.0.1:1", cwd=workdir)
+    assert out.returncode == 3
+    assert out.stderr.startswith(f"error: {expected}")
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in out.stderr
+
+
+def test_an_unreachable_store_is_store_unavailable_not_a_traceback(workdir: Path):
+    from tests.servers import free_port
+
+    out = realm("run", "start", "sync", "--redis-url", f"redis://127.0.0.1:{free_port()}",
+                cwd=workdir)  # fmt: skip
+    assert out.returncode == 4
+    assert out.stdout.startswith("status: error\nSTORE_UNAVAILABLE: Redis is unreachable")
+    assert "Traceback" not in out.stderr
