@@ -338,3 +338,166 @@ def run_fail(
     text = f"status: ok\nrun_id: {run_id}\nphase: {found.phase}\n{sentence}"
     _emit(as_json, text, {"status": "ok", "run_id": run_id, "phase": found.phase,
                           "message": sentence})  # fmt: skip
+
+
+def _load_full(config_path: str) -> Config:
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    default="triggers.yaml",
+    show_default=True,
+    envvar="REALM_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="The triggers.yaml to serve. [env: REALM_CONFIG]",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="REALM_HOST",
+    help="Address to bind. [env: REALM_HOST]",
+)
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    envvar="REALM_PORT",
+    help="Port to bind. [env: REALM_PORT]",
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    envvar="REALM_WORKERS",
+    help="Worker processes. [env: REALM_WORKERS]",
+)
+@click.option(
+    "--redis-url",
+    envvar="REALM_REDIS_URL",
+    default=None,
+    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
+)
+@click.option(
+    "--data-dir",
+    envvar="REALM_DATA_DIR",
+    default=DEFAULT_DATA_DIR,
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
+)
+def listen(
+    config_path: str, host: str, port: int, workers: int, redis_url: str | None, data_dir: str
+) -> None:
+    """Receive webhooks and turn verified deliveries into runs."""
+    from gateway.listen import serve
+
+    config = _load_full(config_path)
+    try:
+        serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
+              data_dir=data_dir)  # fmt: skip
+    except (ServerNotFound, RuntimeError) as exc:
+        click.echo(f"error: cannot start the embedded server: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+
+
+@main.group()
+def triggers() -> None:
+    """Check a triggers.yaml and try deliveries against it."""
+
+
+@triggers.command("check")
+@click.option(
+    "--config",
+    "config_path",
+    default="triggers.yaml",
+    show_default=True,
+    envvar="REALM_CONFIG",
+    type=click.Path(dir_okay=False),
+)
+def triggers_check(config_path: str) -> None:
+    """Validate the file and print its triggers."""
+    from gateway.triggers import describe_event_id
+    from gateway.verify import describe
+
+    config = _load_full(config_path)
+    rows = [("TRIGGER", "PATH", "WORKFLOW", "VERIFY", "EVENT ID", "ON LIVE", "ON TERMINAL")]
+    for t in config.triggers.values():
+        rows.append((t.name, t.path, t.workflow, describe(t.verify), describe_event_id(t),
+                     t.on_live_match, t.on_terminal_match))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    click.echo(
+        f"{config.file}: ok: {len(config.workflows)} workflow(s), {len(config.triggers)} trigger(s)"
+    )
+
+
+@triggers.command("test")
+@click.option("--path", "route", required=True, help="The path the delivery is sent to.")
+@click.option(
+    "--body",
+    "body_file",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="File holding the raw body, sent byte for byte.",
+)
+@click.option(
+    "--header",
+    "header_args",
+    multiple=True,
+    metavar="'Name: value'",
+    help="A request header; repeat for more.",
+)
+@click.option(
+    "--sign",
+    is_flag=True,
+    help="Sign the body with each trigger's configured secret, as its sender would.",
+)
+@store_options
+def triggers_test(
+    route: str,
+    body_file: str,
+    header_args: tuple[str, ...],
+    sign: bool,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """Dry run: which triggers match, what they extract, what a claim would decide.
+
+    Nothing is written to the store.
+    """
+    from gateway.dryrun import dry_run, format_report
+
+    config = _load_full(config_path)
+    body = Path(body_file).read_bytes()
+    headers: list[tuple[str, str]] = []
+    for arg in header_args:
+        name, sep, value = arg.partition(":")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"{arg!r} is not 'Name: value'", param_hint="--header")
+        headers.append((name.strip(), value.strip()))
+    matching = [t for t in config.triggers.values() if t.path == route]
+    if not matching:
+        paths = ", ".join(sorted({t.path for t in config.triggers.values()})) or "none"
+        click.echo(f"error: no trigger has path {route} (paths: {paths})", err=True)
+        sys.exit(EXIT_USAGE)
+    report = with_store(
+        config_path, redis_url, data_dir,
+        lambda store: dry_run(store, matching, headers, body, sign=sign),
+    )  # fmt: skip
+    if as_json:
+        click.echo(orjson.dumps(report).decode())
+    else:
+        click.echo(format_report(report))

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from gateway.config import Config
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.keys import Keys
+from gateway.policy import Decision, KeyState, decide
 from gateway.scripts import Scripts
 
 LiveMatch = Literal["use_existing", "fail", "cancel_existing"]
@@ -181,6 +182,30 @@ class RunStore:
                     if _text(reply[0]) != "need_old":
                         break
         return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
+
+    async def preview_start(
+        self,
+        workflow: str,
+        idempotency_key: str | None,
+        on_live_match: str,
+        on_terminal_match: str,
+        on_params_mismatch: str,
+        fingerprint: str,
+    ) -> tuple[Decision, KeyState | None]:
+        """What ``start_run`` would decide now, and the key's state; writes nothing."""
+        self.config.workflow(workflow)
+        if idempotency_key is None:
+            return "start", None
+        pointer = self.keys(workflow).pointer(idempotency_key)
+        async with self._deadline():
+            run, phase, fp = await self._retrying(
+                lambda: self.redis.hmget(pointer, ["run", "phase", "fp"])
+            )
+        state = None if run is None else KeyState(_text(run), _text(phase), _text(fp))
+        return (
+            decide(state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint),
+            state,
+        )
 
     # -- reading runs ------------------------------------------------------------------
 

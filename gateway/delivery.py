@@ -1,0 +1,192 @@
+"""One webhook delivery, top to bottom: verify → parse → match → extract → claim → reply.
+
+No HTTP here: ``handle`` takes the raw body and headers of a delivery to one
+path and returns the status and JSON body to answer with (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway import replies
+from gateway.errors import RealmError, StoreUnavailable
+from gateway.extract import BodyError, ExtractError, HeaderLookup, parse_body
+from gateway.store import RunStore, StartResult
+from gateway.triggers import Trigger
+from gateway.verify import VerifySpec, verify
+
+RETRY_AFTER_SECONDS = 5
+
+
+@dataclass
+class TriggerResult:
+    """What happened for one trigger of the path; one entry of the reply's ``results``."""
+
+    trigger: str
+    workflow: str
+    outcome: str  # started | deduplicated | refused | ignored
+    status: int
+    run_id: str | None = None
+    deduped: bool | None = None
+    code: str | None = None
+    message: str | None = None
+    event_id: str | None = None
+    params_mismatch: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "trigger": self.trigger,
+            "workflow": self.workflow,
+            "outcome": self.outcome,
+            "run_id": self.run_id,
+            "deduped": self.deduped,
+            "code": self.code,
+            "message": self.message,
+        }
+        if self.params_mismatch:
+            out["params_mismatch"] = True
+        return out
+
+
+@dataclass
+class Reply:
+    status: int
+    body: dict[str, Any]
+    results: list[TriggerResult] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def error_reply(status: int, code: str, message: str, **headers: str) -> Reply:
+    return Reply(status, {"status": "error", "code": code, "message": message}, headers=headers)
+
+
+def unavailable_reply(message: str) -> Reply:
+    return error_reply(
+        503, "STORE_UNAVAILABLE", message, **{"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
+
+
+async def handle(
+    store: RunStore,
+    triggers: Sequence[Trigger],
+    headers: HeaderLookup,
+    content_type: str | None,
+    body: bytes,
+) -> Reply:
+    # 1. Verify: nothing unverified touches Redis. Triggers of one path usually
+    #    share one scheme; each distinct spec is checked once.
+    now = time.time()
+    checked: dict[int, str | None] = {}
+    verified: list[Trigger] = []
+    reasons: list[str] = []
+    for trigger in triggers:
+        spec: VerifySpec = trigger.verify
+        if id(spec) not in checked:
+            checked[id(spec)] = verify(spec, headers, body, now)
+        reason = checked[id(spec)]
+        if reason is None:
+            verified.append(trigger)
+        else:
+            reasons.append(reason)
+    if not verified:
+        return error_reply(401, "AUTH_REQUIRED", f"signature did not verify: {reasons[0]}")
+
+    # 2. Parse, once.
+    try:
+        doc = parse_body(body, content_type)
+    except BodyError as exc:
+        return error_reply(400, "VALIDATION_BODY", f"body is not parseable: {exc}")
+
+    # 3-4. Match and extract, per trigger.
+    results: list[TriggerResult] = []
+    claims: list[tuple[TriggerResult, Trigger, Any]] = []
+    for trigger in verified:
+        result = TriggerResult(trigger.name, trigger.workflow, "ignored", 200)
+        results.append(result)
+        why_not = trigger.match(headers, doc)
+        if why_not is not None:
+            result.message = f"not matched: {why_not}"
+            continue
+        try:
+            extracted = trigger.extract(headers, doc, body)
+            store.config.workflow(trigger.workflow).check_params(extracted.params)
+        except (ExtractError, RealmError) as exc:
+            _refuse(result, exc)
+            continue
+        result.event_id = extracted.event_id
+        claims.append((result, trigger, extracted))
+
+    # 5. Claim, all matched triggers at once (each is its own workflow's key).
+    if claims:
+        fingerprint = hashlib.sha256(body).hexdigest()
+        outcomes = await asyncio.gather(
+            *(
+                store.start_run(
+                    trigger.workflow,
+                    extracted.params,
+                    extracted.key,
+                    trigger.on_live_match,
+                    trigger.on_terminal_match,
+                    trigger.on_params_mismatch,
+                    fingerprint=fingerprint,
+                )
+                for _, trigger, extracted in claims
+            ),
+            return_exceptions=True,
+        )
+        for (result, _, _), outcome in zip(claims, outcomes, strict=True):
+            if isinstance(outcome, StoreUnavailable):
+                # Some claims may have been stored: the sender's retry deduplicates them.
+                return unavailable_reply(outcome.message)
+            if isinstance(outcome, RealmError):
+                _refuse(result, outcome)
+            elif isinstance(outcome, StartResult):
+                _claimed(result, outcome)
+            else:
+                raise outcome
+
+    # 6. Reply: a refusal the sender must see wins over a start; a start (202)
+    #    over a deduplication or a non-match (200).
+    status = max((r.status for r in results), key=_status_rank)
+    return Reply(
+        status,
+        {"status": "ok" if status < 400 else "error", "results": [r.as_dict() for r in results]},
+        results,
+    )
+
+
+def _status_rank(status: int) -> int:
+    return {200: 0, 202: 1}.get(status, status)
+
+
+def _claimed(result: TriggerResult, started: StartResult) -> None:
+    result.run_id = started.run_id
+    result.deduped = started.deduped
+    result.params_mismatch = started.params_mismatch
+    result.message = replies.start_sentence(started)
+    if started.deduped:
+        result.outcome, result.status = "deduplicated", 200
+    else:
+        result.outcome, result.status = "started", 202
+
+
+def _refuse(result: TriggerResult, error: RealmError) -> None:
+    result.outcome = "refused"
+    result.code = error.code
+    result.message = error.message
+    result.status = refusal_status(error.code)
+
+
+def refusal_status(code: str) -> int:
+    """A refusal by policy is a stored decision the sender should not retry (200),
+    except a body that differs under a used event id (409); bad input is 422."""
+    if code == "STATE_IDEMPOTENCY_KEY_CONFLICT":
+        return 409
+    if code.startswith("STATE_"):
+        return 200
+    return 422

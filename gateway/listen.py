@@ -1,0 +1,71 @@
+"""``realm listen``: checks the config, picks the Redis, then serves the app with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+import uvicorn
+
+from gateway.config import Config
+from gateway.connection import redis_target
+from gateway.triggers import describe_event_id
+from gateway.verify import describe
+
+# How long SIGTERM waits for in-flight deliveries before closing connections.
+GRACEFUL_SHUTDOWN_SECONDS = 30
+
+
+def serve(
+    config: Config,
+    *,
+    host: str,
+    port: int,
+    workers: int,
+    redis_url: str | None,
+    data_dir: str,
+) -> None:
+    """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards."""
+    _setup_logging()
+    with redis_target(redis_url, data_dir) as target:
+        echo = lambda text: click.echo(text, err=True)  # noqa: E731
+        echo(f"realm listen: http://{host}:{port} ({workers} worker{'s' * (workers > 1)})")
+        echo(f"store: {target.description}")
+        for trigger in config.triggers.values():
+            if trigger.verify.scheme == "none":
+                logging.getLogger("realm").warning(
+                    "trigger '%s' has verify: none: its deliveries are not authenticated",
+                    trigger.name,
+                )
+            echo(
+                f"  POST {trigger.path}  → {trigger.workflow}  "
+                f"[{trigger.name}; {describe(trigger.verify)}; event id: "
+                f"{describe_event_id(trigger)}]"
+            )
+        if not config.triggers:
+            echo("  (no triggers in the config: only /healthz and /readyz are served)")
+        # Workers are separate processes: they read their settings from here.
+        os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
+        os.environ["REALM_REDIS_URL"] = target.url
+        uvicorn.run(
+            "gateway.app:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_config=None,
+            access_log=False,  # the app logs one JSON line per delivery instead
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            server_header=False,
+        )
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)

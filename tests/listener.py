@@ -1,0 +1,91 @@
+"""A real `realm listen` process on a free port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.servers import free_port
+
+
+class Listener:
+    """Runs `python -m gateway listen` with a config, env and Redis URL of the test's."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        config_text: str,
+        *,
+        redis_url: str | None,
+        env: dict[str, str] | None = None,
+        workers: int = 1,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.workdir = workdir
+        self.config_path = workdir / "triggers.yaml"
+        self.config_path.write_text(config_text)
+        self.redis_url = redis_url
+        self.env = env or {}
+        self.workers = workers
+        self.args = args
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / "listen.log"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> Listener:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REALM_")}
+        env.update(self.env)
+        cmd = [sys.executable, "-m", "gateway", "listen", "--config", str(self.config_path),
+               "--port", str(self.port), "--workers", str(self.workers), *self.args]  # fmt: skip
+        if self.redis_url:
+            cmd += ["--redis-url", self.redis_url]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            cmd, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"realm listen exited {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=0.5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"realm listen did not answer in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def terminate(self) -> None:
+        """Send SIGTERM (a graceful shutdown) without waiting."""
+        assert self.process
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 40.0) -> int:
+        assert self.process
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
