@@ -501,3 +501,92 @@ def triggers_test(
         click.echo(orjson.dumps(report).decode())
     else:
         click.echo(format_report(report))
+
+
+@run.command("batch")
+@click.argument("workflow")
+@click.option(
+    "--items",
+    "items_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help='JSON list of {"params": {...}, "idempotency_key": "..."}.',
+)
+@click.option(
+    "--on-live-match", type=click.Choice(LIVE_MATCH), default="use_existing", show_default=True
+)
+@click.option(
+    "--on-terminal-match", type=click.Choice(TERMINAL_MATCH), default="reuse", show_default=True
+)
+@store_options
+@reports_errors
+def run_batch(
+    workflow: str,
+    items_file: str,
+    on_live_match: Any,
+    on_terminal_match: Any,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """Start several runs of WORKFLOW in one call; one line per item."""
+    try:
+        items = orjson.loads(Path(items_file).read_bytes())
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {items_file}: {exc.strerror}") from None
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"{items_file} is not valid JSON: {exc}") from None
+    if not isinstance(items, list):
+        raise click.BadParameter(f"{items_file} must hold a JSON list of items")
+    entries = with_store(
+        config_path, redis_url, data_dir,
+        lambda store: store.start_run_batch(workflow, items, on_live_match, on_terminal_match),
+    )  # fmt: skip
+    if as_json:
+        click.echo(orjson.dumps({"status": "ok", "items": replies.batch_json(entries)}).decode())
+        return
+    click.echo(replies.batch_text(entries))
+
+
+@run.command("reconcile")
+@click.option("--dry-run", is_flag=True, help="Report only; write nothing.")
+@click.option("--workflow", default=None, help="Only this workflow (default: every workflow).")
+@store_options
+@reports_errors
+def run_reconcile(
+    dry_run: bool,
+    workflow: str | None,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
+) -> None:
+    """Check that every key points at the newest run of its group; repair it unless --dry-run."""
+    from gateway.reconcile import count_runs, reconcile
+
+    async def work(store: RunStore) -> Any:
+        if not sys.stderr.isatty():
+            step = 100_000
+            shown = [0]
+
+            def plain(groups: int, runs: int) -> None:
+                if groups - shown[0] >= step:
+                    shown[0] = groups
+                    click.echo(f"reconcile: {groups} key group(s), {runs} run(s) checked",
+                               err=True)  # fmt: skip
+
+            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=plain)
+        total = await count_runs(store, workflow)
+        with click.progressbar(length=total, label="reconcile", file=sys.stderr,
+                               show_pos=True) as bar:  # fmt: skip
+            done = [0]
+
+            def tick(groups: int, runs: int) -> None:
+                bar.update(runs - done[0])
+                done[0] = runs
+
+            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=tick)
+
+    report = with_store(config_path, redis_url, data_dir, work)
+    _emit(as_json, report.text(), {"status": "ok", **report.as_dict()})

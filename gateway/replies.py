@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.errors import RealmError
-from gateway.store import StartResult
+from gateway.store import BatchEntry, StartResult
 
 
 def start_sentence(result: StartResult) -> str:
@@ -60,3 +60,31 @@ def error_text(error: RealmError) -> str:
 
 def error_json(error: RealmError) -> dict[str, Any]:
     return {"status": "error", "code": error.code, "message": error.message}
+
+
+def batch_text(entries: list[BatchEntry]) -> str:
+    """One line per item, as in Realm's documentation:
+    ``order-21    run baf9ec57-…  deduped: false``."""
+    labels = [e.idempotency_key or f"item {e.index}" for e in entries]
+    width = max(len(label) for label in labels)
+    lines = []
+    for label, entry in zip(labels, entries, strict=True):
+        if entry.result is not None:
+            deduped = "true" if entry.result.deduped else "false"
+            lines.append(f"{label.ljust(width)}  run {entry.result.run_id}  deduped: {deduped}")
+        else:
+            assert entry.error is not None
+            lines.append(f"{label.ljust(width)}  error {entry.error.code}: {entry.error.message}")
+    return "\n".join(lines)
+
+
+def batch_json(entries: list[BatchEntry]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for entry in entries:
+        item: dict[str, Any] = {"index": entry.index, "idempotency_key": entry.idempotency_key}
+        if entry.result is not None:
+            item.update(start_json(entry.result))
+        elif entry.error is not None:
+            item.update(error_json(entry.error))
+        out.append(item)
+    return out

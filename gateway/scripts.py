@@ -12,7 +12,14 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-SCRIPT_NAMES = ("start_run", "complete_step", "end_run", "cancel_key")
+SCRIPT_NAMES = (
+    "start_run",
+    "start_batch",
+    "complete_step",
+    "end_run",
+    "cancel_key",
+    "repoint",
+)
 
 
 def script_source(name: str) -> str:
@@ -31,9 +38,18 @@ class Scripts:
 
     def __init__(self, redis: Redis) -> None:
         self.start_run: AsyncScript = redis.register_script(script_source("start_run"))
+        self.start_batch: AsyncScript = redis.register_script(script_source("start_batch"))
         self.complete_step: AsyncScript = redis.register_script(script_source("complete_step"))
         self.end_run: AsyncScript = redis.register_script(script_source("end_run"))
         self.cancel_key: AsyncScript = redis.register_script(script_source("cancel_key"))
+        self.repoint: AsyncScript = redis.register_script(script_source("repoint"))
 
     def all(self) -> tuple[AsyncScript, ...]:
-        return (self.start_run, self.complete_step, self.end_run, self.cancel_key)
+        return (
+            self.start_run,
+            self.start_batch,
+            self.complete_step,
+            self.end_run,
+            self.cancel_key,
+            self.repoint,
+        )

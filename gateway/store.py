@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import orjson
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
-from gateway.config import Config
+from gateway.config import Config, Workflow
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.keys import Keys
 from gateway.policy import Decision, KeyState, decide
@@ -36,6 +36,9 @@ TERMINAL_MATCH: tuple[str, ...] = ("reuse", "reject", "rerun_if_failed", "rerun"
 PARAMS_MISMATCH: tuple[str, ...] = ("flag", "reject")
 PHASES: tuple[str, ...] = ("running", "completed", "failed", "cancelled")
 MAX_KEY_BYTES = 1024
+MAX_BATCH_ITEMS = 10_000
+# Items per script call: one call blocks Redis while it runs, so keep each short.
+BATCH_CHUNK = 1_000
 
 T = TypeVar("T")
 
@@ -53,6 +56,16 @@ class StartResult:
     params_mismatch: bool = False
     # Which setting made this start supersede ``rerun_of``: on_live_match or on_terminal_match.
     superseded_by: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One item's outcome in a batch start: a result, or the refusal for that item."""
+
+    index: int
+    idempotency_key: str | None
+    result: StartResult | None = None
+    error: RealmError | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,101 @@ class RunStore:
                     if _text(reply[0]) != "need_old":
                         break
         return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
+
+    async def start_run_batch(
+        self,
+        workflow: str,
+        items: Sequence[Mapping[str, Any]],
+        on_live_match: LiveMatch = "use_existing",
+        on_terminal_match: TerminalMatch = "reuse",
+        on_params_mismatch: ParamsMismatch = "flag",
+    ) -> list[BatchEntry]:
+        """Start many runs of one workflow; one entry per item, in order.
+
+        Every item is checked first: if any fails, nothing starts
+        (``VALIDATION_BATCH_ITEMS``). A key repeated within the batch is
+        deduplicated against its first item. All items of a workflow share one
+        hash slot, so the batch is one script call (per 1 000 items), not one
+        round trip per item.
+        """
+        wf = self.config.workflow(workflow)
+        _check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        if not isinstance(items, Sequence) or isinstance(items, str | bytes):
+            raise RealmError("VALIDATION_BATCH_ITEMS", "items must be a list")
+        if not 1 <= len(items) <= MAX_BATCH_ITEMS:
+            raise RealmError(
+                "VALIDATION_BATCH_ITEMS", f"a batch holds 1 to {MAX_BATCH_ITEMS} items"
+            )
+        prepared, failures = _prepare_items(wf, items)
+        if failures:
+            raise RealmError(
+                "VALIDATION_BATCH_ITEMS",
+                f"start_run_batch: {len(failures)} item(s) failed schema validation\n"
+                + "".join(f"  - item {i}: {reason}\n" for i, reason in failures)
+                + "One or more items failed schema validation. No runs were created.",
+            )
+
+        first_of: dict[str, int] = {}
+        to_send: list[int] = []
+        for i, (key, _, _) in enumerate(prepared):
+            if key is None or key not in first_of:
+                if key is not None:
+                    first_of[key] = i
+                to_send.append(i)
+        outcomes: dict[int, StartResult | RealmError] = {}
+        keys = self.keys(workflow)
+        common = [workflow, orjson.dumps(list(wf.steps)), on_live_match, on_terminal_match,
+                  on_params_mismatch, wf.retention_ms]  # fmt: skip
+        async with self._deadline():
+            for start in range(0, len(to_send), BATCH_CHUNK):
+                chunk = to_send[start : start + BATCH_CHUNK]
+                ids = {i: str(uuid.uuid4()) for i in chunk}
+                old: dict[int, str] = {}
+                while True:
+                    script_keys = [keys.runs(), keys.stream()]
+                    argv: list[Any] = list(common)
+                    for i in chunk:
+                        key, params_json, fingerprint = prepared[i]
+                        run_key = keys.run(ids[i])
+                        if key is None:
+                            script_keys += [run_key, run_key, run_key, run_key]
+                        else:
+                            script_keys += [run_key, keys.pointer(key), keys.key_runs(key),
+                                            keys.run(old[i]) if i in old else run_key]  # fmt: skip
+                        argv += [ids[i], key or "", params_json, fingerprint]
+                    reply = await self._retrying(
+                        lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
+                    )
+                    if _text(reply[0]) != "need_old":
+                        break
+                    # Nothing was written: name the live runs to end, and go again.
+                    for n in range(1, len(reply), 2):
+                        old[chunk[int(reply[n]) - 1]] = _text(reply[n + 1])
+                for n, i in enumerate(chunk):
+                    group = reply[6 * n : 6 * n + 6]
+                    try:
+                        outcomes[i] = _start_result(
+                            workflow, prepared[i][0], on_live_match, on_terminal_match, group
+                        )
+                    except StoreUnavailable:
+                        raise
+                    except RealmError as exc:
+                        outcomes[i] = exc
+
+        entries: list[BatchEntry] = []
+        for i, (key, _, _) in enumerate(prepared):
+            first = first_of.get(key, i) if key is not None else i
+            outcome = outcomes[first]
+            if isinstance(outcome, StartResult) and first != i:
+                outcome = replace(
+                    outcome, deduped=True, rerun_of=None, superseded_by=None,
+                    params_mismatch=prepared[i][2] != prepared[first][2],
+                )  # fmt: skip
+            if isinstance(outcome, RealmError):
+                entries.append(BatchEntry(i, key, error=outcome))
+            else:
+                entries.append(BatchEntry(i, key, result=outcome))
+        return entries
 
     async def preview_start(
         self,
@@ -470,6 +578,43 @@ def _run_from_hash(data: Mapping[bytes, bytes]) -> Run:
         rerun_of=f.get("rerun_of") or None,
         error=f.get("error") or None,
     )
+
+
+def _prepare_items(
+    wf: Workflow, items: Sequence[Any]
+) -> tuple[list[tuple[str | None, bytes, str]], list[tuple[int, str]]]:
+    """Each item as (key, params JSON, fingerprint), and every item that fails, why."""
+    prepared: list[tuple[str | None, bytes, str]] = []
+    failures: list[tuple[int, str]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            failures.append((i, "must be an object with 'params' and 'idempotency_key'"))
+            continue
+        unknown = sorted(set(item) - {"params", "idempotency_key"})
+        params = item.get("params", {})
+        key = item.get("idempotency_key")
+        reasons: list[str] = []
+        if unknown:
+            reasons.append(f"unknown field(s) {unknown}")
+        if key is not None and (
+            not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES
+        ):
+            reasons.append(f"idempotency_key must be a non-empty string of at most "
+                           f"{MAX_KEY_BYTES} bytes")  # fmt: skip
+        if not isinstance(params, Mapping):
+            reasons.append("params must be a JSON object")
+        else:
+            reasons += wf.params_errors(params)
+        if reasons:
+            failures.append((i, "; ".join(reasons)))
+            continue
+        try:
+            params_json = canonical_params(params)
+        except TypeError as exc:
+            failures.append((i, f"params must be JSON: {exc}"))
+            continue
+        prepared.append((key, params_json, fingerprint_of(params_json)))
+    return prepared, failures
 
 
 def _params_json(params: Mapping[str, Any]) -> bytes:

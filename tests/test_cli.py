@@ -182,3 +182,49 @@ def test_an_unreachable_store_is_store_unavailable_not_a_traceback(workdir: Path
     assert out.returncode == 4
     assert out.stdout.startswith("status: error\nSTORE_UNAVAILABLE: Redis is unreachable")
     assert "Traceback" not in out.stderr
+
+
+def test_batch_prints_one_line_per_item(cli, workdir: Path):
+    existing = json.loads(cli("run", "start", "sync", "--key", "order-4417", "--json").stdout)
+    (workdir / "items.json").write_text(json.dumps([
+        {"params": {}, "idempotency_key": "order-21"},
+        {"params": {}, "idempotency_key": "order-22"},
+        {"params": {}, "idempotency_key": "order-4417"},
+    ]))  # fmt: skip
+    out = cli("run", "batch", "sync", "--items", "items.json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert re.fullmatch(rf"order-21    run {UUID}  deduped: false", lines[0])
+    assert re.fullmatch(rf"order-22    run {UUID}  deduped: false", lines[1])
+    assert lines[2] == f"order-4417  run {existing['run_id']}  deduped: true"
+
+
+def test_batch_with_a_bad_item_starts_nothing(cli, workdir: Path):
+    (workdir / "items.json").write_text(json.dumps([
+        {"params": {"repo": "o/r", "sha": "abcdef0"}, "idempotency_key": "a"},
+        {"params": {"repo": "o/r"}, "idempotency_key": "b"},
+    ]))  # fmt: skip
+    out = cli("run", "batch", "deploy", "--items", "items.json")
+    assert out.returncode == 1
+    assert out.stdout == (
+        "status: error\n"
+        "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item(s) failed schema validation\n"
+        "  - item 1: $: 'sha' is a required property\n"
+        "One or more items failed schema validation. No runs were created.\n"
+    )
+    assert cli("run", "list").stdout == "no runs\n"
+
+
+def test_reconcile_dry_run_prints_the_documented_report(cli):
+    first = json.loads(cli("run", "start", "sync", "--key", "k", "--json").stdout)["run_id"]
+    cli("run", "fail", first)
+    second = json.loads(
+        cli("run", "start", "sync", "--key", "k", "--on-terminal-match", "rerun", "--json").stdout
+    )["run_id"]
+    out = cli("run", "reconcile", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (
+        "Would write 0 pointer(s) across 1 key group(s); 1 already current.\n"
+        "Duplicate-key groups: 1\n"
+        f"  - workflow 'sync' → canonical {second}; other runs: {first}\n"
+    )

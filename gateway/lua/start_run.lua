@@ -25,74 +25,14 @@ Reply: {outcome, run_id, phase, step, rerun_of, params_mismatch ('1' | '0')}
   used         refused, STATE_IDEMPOTENCY_KEY_USED (on_terminal_match = reject)
   conflict     refused, STATE_IDEMPOTENCY_KEY_CONFLICT (params differ, on_params_mismatch = reject)
   need_old     cancel_existing must end run_id: call again with KEYS[6] for it
+The decision itself is `claim` in _lib.lua, shared with start_batch.lua.
 Flags: the `#!lua` line makes Redis refuse the whole script under OOM before any write.
 ]]
 
-local run_key, index, stream = KEYS[1], KEYS[2], KEYS[3]
-local pointer, keyruns, old_key = KEYS[4], KEYS[5], KEYS[6]
-local new_id, workflow, key, params, fingerprint, steps_json =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local on_live, on_terminal, on_mismatch, retention_ms = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-
--- Caller-id check: this exact call already committed (its reply was lost).
-local mine = redis.call('HMGET', run_key, 'phase', 'step', 'rerun_of')
-if mine[1] then
-  return {'created', new_id, mine[1], mine[2] or '', mine[3] or '', '0'}
-end
-
-local now = now_ms()
-local rerun_of = ''
-
-if pointer then
-  local cur = redis.call('HMGET', pointer, 'run', 'phase', 'step', 'fp')
-  local cur_id, cur_phase, cur_step, cur_fp = cur[1], cur[2], cur[3], cur[4]
-  if cur_id then
-    local mismatch = (cur_fp ~= fingerprint) and '1' or '0'
-    local function existing()
-      if mismatch == '1' and on_mismatch == 'reject' then
-        return {'conflict', cur_id, cur_phase, cur_step or '', '', mismatch}
-      end
-      return {'existing', cur_id, cur_phase, cur_step or '', '', mismatch}
-    end
-    if cur_phase == 'running' then
-      if on_live == 'use_existing' then
-        return existing()
-      elseif on_live == 'fail' then
-        return {'active', cur_id, cur_phase, cur_step or '', '', mismatch}
-      end
-      -- cancel_existing: end the live run and start the new one in this same call.
-      if not old_key or redis.call('HGET', old_key, 'id') ~= cur_id then
-        return {'need_old', cur_id, cur_phase, cur_step or '', '', mismatch}
-      end
-      end_run(old_key, cur_id, 'cancelled', now, retention_ms, pointer, keyruns)
-    else
-      if on_terminal == 'reuse' then
-        return existing()
-      elseif on_terminal == 'reject' then
-        return {'used', cur_id, cur_phase, cur_step or '', '', mismatch}
-      elseif on_terminal == 'rerun_if_failed' and cur_phase == 'completed' then
-        return existing()
-      end
-      -- rerun, or rerun_if_failed after a failed or cancelled run.
-    end
-    rerun_of = cur_id
-  end
-end
-
-local steps = cjson.decode(steps_json)
-local first = steps[1]
-redis.call('HSET', run_key,
-  'id', new_id, 'workflow', workflow, 'key', key, 'phase', 'running',
-  'step', first, 'steps', steps_json, 'params', params, 'fp', fingerprint,
-  'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of)
-redis.call('ZADD', index, next_score(index, now), new_id)
-redis.call('XADD', stream, '*', 'run_id', new_id, 'workflow', workflow, 'step', first,
-  'params', params)
-if pointer then
-  redis.call('DEL', pointer)
-  redis.call('HSET', pointer, 'run', new_id, 'phase', 'running', 'step', first,
-    'fp', fingerprint)
-  redis.call('ZADD', keyruns, next_score(keyruns, now), new_id)
-  redis.call('PERSIST', keyruns)
-end
-return {'created', new_id, 'running', first, rerun_of, '0'}
+return claim(
+  {run = KEYS[1], index = KEYS[2], stream = KEYS[3], pointer = KEYS[4], keyruns = KEYS[5],
+   old = KEYS[6]},
+  {id = ARGV[1], workflow = ARGV[2], key = ARGV[3], params = ARGV[4], fp = ARGV[5],
+   steps = ARGV[6], on_live = ARGV[7], on_terminal = ARGV[8], on_mismatch = ARGV[9],
+   retention = ARGV[10]},
+  now_ms())
