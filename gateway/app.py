@@ -18,8 +18,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import delivery
+from gateway.api import api_routes
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
+from gateway.openapi import openapi_document
 from gateway.store import RunStore
 from gateway.triggers import Trigger
 
@@ -33,7 +35,8 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
-def create_app(config: Config, redis_url: str) -> Starlette:
+def create_app(config: Config, redis_url: str, *, api_token: str | None = None) -> Starlette:
+    """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403."""
     by_path: dict[str, list[Trigger]] = defaultdict(list)
     for trigger in config.triggers.values():
         by_path[trigger.path].append(trigger)
@@ -85,8 +88,18 @@ def create_app(config: Config, redis_url: str) -> Starlette:
             return JSONResponse({"status": "error", "message": str(exc)}, 503)
         return JSONResponse({"status": "ok"})
 
+    document = openapi_document(list(by_path))
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
     routes = [Route(path, webhook(ts), methods=["POST"]) for path, ts in by_path.items()]
-    routes += [Route("/healthz", healthz), Route("/readyz", readyz)]
+    routes += api_routes(api_token)
+    routes += [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/openapi.json", openapi),
+    ]
     return Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -157,4 +170,6 @@ def _log_delivery(path: str, reply: delivery.Reply, started: float) -> None:
 def app_from_env() -> Starlette:
     """The app for uvicorn's worker processes, which get their settings by environment."""
     config = load_config(os.environ.get("REALM_CONFIG", "triggers.yaml"))
-    return create_app(config, os.environ["REALM_REDIS_URL"])
+    return create_app(
+        config, os.environ["REALM_REDIS_URL"], api_token=os.environ.get("REALM_API_TOKEN") or None
+    )

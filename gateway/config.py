@@ -33,6 +33,7 @@ DEFAULT_RETENTION = "7d"
 WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "description"}
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
 SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout"}
+RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
 
@@ -140,6 +141,16 @@ def parse_config(
             workflows=workflows.keys(),
             env=os.environ if env is None else env,
         )
+        for trigger in triggers.values():
+            if trigger.path in RESERVED_PATHS or trigger.path.startswith("/v1/"):
+                raise ConfigError(
+                    file,
+                    f"{trigger.path} is the gateway's own route; pick another path "
+                    "(reserved: /v1/…, " + ", ".join(sorted(RESERVED_PATHS)) + ")",
+                    section="trigger",
+                    name=trigger.name,
+                    field="path",
+                )
     return Config(file=file, workflows=workflows, settings=settings, triggers=triggers)
 
 

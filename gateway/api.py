@@ -1,0 +1,202 @@
+"""The admin API under ``/v1`` (DESIGN §6): the run store over HTTP, behind a bearer token."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import replies
+from gateway.delivery import RETRY_AFTER_SECONDS
+from gateway.errors import RealmError
+from gateway.reconcile import reconcile
+from gateway.store import RunStore
+
+Handler = Callable[[Request, RunStore], Awaitable[Response]]
+
+
+def json_response(
+    content: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(orjson.dumps(content), status, headers, media_type="application/json")
+
+
+def error_response(error: RealmError) -> Response:
+    headers = {}
+    if error.code == "STORE_UNAVAILABLE":
+        status = 503
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    elif error.code.startswith("STATE_"):
+        status = 409
+    elif error.code.startswith("NOT_FOUND_"):
+        status = 404
+    elif error.code == "AUTH_REQUIRED":
+        status = 401
+        headers["WWW-Authenticate"] = 'Bearer realm="realm-gateway"'
+    elif error.code == "AUTH_DISABLED":
+        status = 403
+    else:
+        status = 422
+    return json_response(replies.error_json(error), status, headers)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RealmError("VALIDATION_BODY", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RealmError("VALIDATION_BODY", "request body must be a JSON object")
+    return data
+
+
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = data.get(name, default)
+    if value is not default and not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise RealmError("VALIDATION_BODY", f"field '{name}' must be of type {names}")
+    return value
+
+
+async def start(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    result = await store.start_run(
+        request.path_params["workflow"],
+        _field(data, "params", dict, {}),
+        _field(data, "idempotency_key", str, None),
+        _field(data, "on_live_match", str, "use_existing"),
+        _field(data, "on_terminal_match", str, "reuse"),
+        _field(data, "on_params_mismatch", str, "flag"),
+    )
+    return json_response(replies.start_json(result), 200 if result.deduped else 202)
+
+
+async def start_batch(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    entries = await store.start_run_batch(
+        request.path_params["workflow"],
+        _field(data, "items", list, None) or [],
+        _field(data, "on_live_match", str, "use_existing"),
+        _field(data, "on_terminal_match", str, "reuse"),
+        _field(data, "on_params_mismatch", str, "flag"),
+    )
+    return json_response({"status": "ok", "items": replies.batch_json(entries)})
+
+
+async def list_runs(request: Request, store: RunStore) -> Response:
+    query = request.query_params
+    limit_text = query.get("limit", "50")
+    if not limit_text.isdigit():
+        raise RealmError("VALIDATION_PARAMS", "limit must be an integer between 1 and 1000")
+    runs, cursor = await store.list_runs(
+        request.path_params["workflow"],
+        key=query.get("key"),
+        phase=query.get("phase"),
+        limit=int(limit_text),
+        cursor=query.get("cursor"),
+    )
+    return json_response({"runs": [r.as_dict() for r in runs], "cursor": cursor})
+
+
+async def get_run(request: Request, store: RunStore) -> Response:
+    run = await store.get_run(request.path_params["run_id"])
+    return json_response(run.as_dict())
+
+
+async def cancel_run(request: Request, store: RunStore) -> Response:
+    return json_response({"cancelled": await store.cancel_run(request.path_params["run_id"])})
+
+
+async def cancel_key(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    key = _field(data, "idempotency_key", str, None)
+    if key is None:
+        raise RealmError("VALIDATION_BODY", "field 'idempotency_key' is required")
+    return json_response(
+        {"cancelled": await store.cancel_key(request.path_params["workflow"], key)}
+    )
+
+
+async def complete_step(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    step = _field(data, "step", str, None)
+    if step is None:
+        raise RealmError("VALIDATION_BODY", "field 'step' is required")
+    result = await store.complete_step(request.path_params["run_id"], step)
+    return json_response(
+        {
+            "status": "ok",
+            "run_id": result.run_id,
+            "phase": result.phase,
+            "next_step": result.next_step,
+        }
+    )
+
+
+async def fail_run(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    run = await store.fail_run(request.path_params["run_id"], _field(data, "error", str, ""))
+    return json_response({"status": "ok", **run.as_dict()})
+
+
+async def reconcile_keys(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    report = await reconcile(
+        store,
+        workflow=_field(data, "workflow", str, None),
+        dry_run=_field(data, "dry_run", bool, True),
+    )
+    return json_response({"status": "ok", **report.as_dict()})
+
+
+def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitable[Response]]:
+    """Bearer-token check (constant time), then the handler; coded errors become replies."""
+    expected = token.encode() if token else None
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if expected is None:
+                raise RealmError(
+                    "AUTH_DISABLED",
+                    "the admin API is off: set REALM_API_TOKEN in the gateway's environment "
+                    "to enable it, then send 'Authorization: Bearer <token>'",
+                )
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), expected
+            ):
+                raise RealmError("AUTH_REQUIRED", "send 'Authorization: Bearer <REALM_API_TOKEN>'")
+            return await handler(request, request.state.store)
+        except RealmError as exc:
+            return error_response(exc)
+
+    return endpoint
+
+
+# (path, method, handler, summary): the OpenAPI document is built from this list too.
+API_ROUTES: list[tuple[str, str, Handler, str]] = [
+    ("/v1/workflows/{workflow}/runs", "POST", start, "Start a run, or return the key's run"),
+    ("/v1/workflows/{workflow}/runs", "GET", list_runs, "List runs, newest first"),
+    ("/v1/workflows/{workflow}/batch", "POST", start_batch, "Start several runs in one call"),
+    ("/v1/workflows/{workflow}/cancel", "POST", cancel_key, "Cancel the live run of a key"),
+    ("/v1/runs/{run_id}", "GET", get_run, "Get a run"),
+    ("/v1/runs/{run_id}/cancel", "POST", cancel_run, "Cancel a run"),
+    ("/v1/runs/{run_id}/complete", "POST", complete_step, "Complete the run's current step"),
+    ("/v1/runs/{run_id}/fail", "POST", fail_run, "Fail a live run"),
+    ("/v1/reconcile", "POST", reconcile_keys, "Check and repair key pointers"),
+]
+
+
+def api_routes(token: str | None) -> list[Route]:
+    return [
+        Route(path, _guarded(handler, token), methods=[method], name=handler.__name__)
+        for path, method, handler, _ in API_ROUTES
+    ]

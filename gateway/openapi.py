@@ -1,0 +1,163 @@
+"""The OpenAPI document served at ``/openapi.json``, built from the same route lists
+the app serves, so a route cannot exist without its description."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gateway import __version__
+from gateway.api import API_ROUTES
+from gateway.store import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH
+
+_ERROR = {
+    "type": "object",
+    "required": ["status", "code", "message"],
+    "properties": {
+        "status": {"const": "error"},
+        "code": {"type": "string", "examples": ["STATE_RUN_ALREADY_ACTIVE"]},
+        "message": {"type": "string"},
+    },
+}
+_POLICIES = {
+    "on_live_match": {"enum": list(LIVE_MATCH), "default": "use_existing"},
+    "on_terminal_match": {"enum": list(TERMINAL_MATCH), "default": "reuse"},
+    "on_params_mismatch": {"enum": list(PARAMS_MISMATCH), "default": "flag"},
+}
+_START_REPLY = {
+    "type": "object",
+    "properties": {
+        "status": {"const": "ok"},
+        "deduped": {"type": "boolean"},
+        "run_id": {"type": "string", "format": "uuid"},
+        "rerun_of": {"type": ["string", "null"]},
+        "workflow": {"type": "string"},
+        "phase": {"enum": list(PHASES)},
+        "next_step": {"type": ["string", "null"]},
+        "params_mismatch": {"type": "boolean"},
+        "message": {"type": "string"},
+    },
+}
+_RUN = {
+    "type": "object",
+    "properties": {
+        "run_id": {"type": "string", "format": "uuid"},
+        "workflow": {"type": "string"},
+        "idempotency_key": {"type": ["string", "null"]},
+        "phase": {"enum": list(PHASES)},
+        "next_step": {"type": ["string", "null"]},
+        "steps": {"type": "array", "items": {"type": "string"}},
+        "params": {"type": "object"},
+        "created_ms": {"type": "integer"},
+        "updated_ms": {"type": "integer"},
+        "ended_ms": {"type": ["integer", "null"]},
+        "rerun_of": {"type": ["string", "null"]},
+        "error": {"type": ["string", "null"]},
+    },
+}
+_ITEM = {
+    "type": "object",
+    "properties": {"params": {"type": "object"}, "idempotency_key": {"type": "string"}},
+}
+_BODIES: dict[str, dict[str, Any]] = {
+    "start": {"properties": {"params": {"type": "object"},
+                             "idempotency_key": {"type": "string"}, **_POLICIES}},
+    "start_batch": {"required": ["items"],
+                    "properties": {"items": {"type": "array", "items": _ITEM}, **_POLICIES}},
+    "cancel_key": {"required": ["idempotency_key"],
+                   "properties": {"idempotency_key": {"type": "string"}}},
+    "complete_step": {"required": ["step"], "properties": {"step": {"type": "string"}}},
+    "fail_run": {"properties": {"error": {"type": "string"}}},
+    "reconcile_keys": {"properties": {"dry_run": {"type": "boolean", "default": True},
+                                      "workflow": {"type": "string"}}},
+}  # fmt: skip
+_OK: dict[str, dict[str, Any]] = {
+    "start": {"202": ("a new run started", _START_REPLY),
+              "200": ("deduplicated: the key's run", _START_REPLY)},
+    "start_batch": {"200": ("one entry per item, in order", {"type": "object"})},
+    "list_runs": {"200": ("a page of runs and the next cursor", {
+        "type": "object",
+        "properties": {"runs": {"type": "array", "items": _RUN},
+                       "cursor": {"type": ["string", "null"]}}})},
+    "get_run": {"200": ("the run", _RUN)},
+    "cancel_run": {"200": ("1 if the run was live", {
+        "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
+    "cancel_key": {"200": ("1 if the key had a live run", {
+        "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
+    "complete_step": {"200": ("the run's phase and next step", {"type": "object"})},
+    "fail_run": {"200": ("the failed run", _RUN)},
+    "reconcile_keys": {"200": ("the report", {"type": "object"})},
+}  # fmt: skip
+
+
+def _response(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for path, method, handler, summary in API_ROUTES:
+        name = handler.__name__
+        operation: dict[str, Any] = {
+            "operationId": name,
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "parameters": [
+                {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                for p in re.findall(r"{(\w+)}", path)
+            ],
+            "responses": {
+                **{code: _response(*ok) for code, ok in _OK[name].items()},
+                "401": _response("no or wrong bearer token (AUTH_REQUIRED)", _ERROR),
+                "403": _response("REALM_API_TOKEN is not set: the API is off", _ERROR),
+                "404": _response("NOT_FOUND_WORKFLOW or NOT_FOUND_RUN", _ERROR),
+                "409": _response("refused by policy or state (STATE_*)", _ERROR),
+                "422": _response("bad input (VALIDATION_*)", _ERROR),
+                "503": _response("Redis unreachable or too slow (STORE_UNAVAILABLE)", _ERROR),
+            },
+        }
+        if name == "list_runs":
+            operation["parameters"] += [
+                {"name": "key", "in": "query", "schema": {"type": "string"}},
+                {"name": "phase", "in": "query", "schema": {"enum": list(PHASES)}},
+                {"name": "limit", "in": "query",
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
+                {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+            ]  # fmt: skip
+        if name in _BODIES:
+            operation["requestBody"] = {
+                "content": {"application/json": {"schema": {"type": "object", **_BODIES[name]}}}
+            }
+        paths.setdefault(path, {})[method.lower()] = operation
+    for path in webhook_paths:
+        paths[path] = {"post": {
+            "operationId": f"webhook {path}",
+            "summary": "A webhook delivery (signature verified per trigger)",
+            "requestBody": {"content": {
+                "application/json": {}, "application/x-www-form-urlencoded": {}}},
+            "responses": {
+                "202": _response("a run started", {"type": "object"}),
+                "200": _response("deduplicated, refused by policy, or ignored", {"type": "object"}),
+                "400": _response("body not parseable", _ERROR),
+                "401": _response("signature missing or wrong", _ERROR),
+                "409": _response("same event id, different body (on_params_mismatch: reject)",
+                                 {"type": "object"}),
+                "413": _response("body over max_body_bytes", _ERROR),
+                "422": _response("event id missing or params fail params_schema",
+                                 {"type": "object"}),
+                "503": _response("Redis unreachable or too slow; Retry-After", _ERROR),
+            },
+        }}  # fmt: skip
+    for path, summary in (
+        ("/healthz", "The process is up"),
+        ("/readyz", "Redis answers and the scripts are loaded"),
+        ("/openapi.json", "This document"),
+    ):
+        paths[path] = {"get": {"operationId": path.strip("/"), "summary": summary,
+                               "responses": {"200": {"description": "ok"}}}}  # fmt: skip
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Realm Gateway", "version": __version__},
+        "paths": paths,
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
