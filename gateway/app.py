@@ -45,7 +45,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         client = redis_client(redis_url, config.settings.redis_timeout)
-        store = RunStore(client, config)
+        store = RunStore(client, config, coalesce=True)
         try:
             await store.load_scripts()
         except Exception as exc:

@@ -19,7 +19,9 @@ from typing import Any, Literal, TypeVar
 import orjson
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
+from gateway.coalesce import Coalescer
 from gateway.config import Config, Workflow
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.keys import Keys
@@ -124,12 +126,22 @@ def fingerprint_of(data: bytes) -> str:
 class RunStore:
     """Run starts and run state for the workflows of one config, in one Redis."""
 
-    def __init__(self, redis: Redis, config: Config, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        config: Config,
+        *,
+        timeout: float | None = None,
+        coalesce: bool = False,
+    ) -> None:
+        """``coalesce``: send the starts made in one event-loop turn as one pipeline
+        (see gateway/coalesce.py); worth it under concurrent load, as in the listener."""
         self.redis = redis
         self.config = config
         self.prefix = config.settings.key_prefix
         self.timeout = config.settings.redis_timeout if timeout is None else timeout
         self.scripts = Scripts(redis)
+        self._coalescer = Coalescer(redis) if coalesce else None
 
     def keys(self, workflow: str) -> Keys:
         return Keys(self.prefix, workflow)
@@ -179,7 +191,9 @@ class RunStore:
             wf.retention_ms,
         ]
         async with self._deadline():
-            reply = await self._retrying(lambda: self.scripts.start_run(script_keys, argv))
+            reply = await self._retrying(
+                lambda: self._run_script(self.scripts.start_run, script_keys, argv)
+            )
             if _text(reply[0]) == "need_old":
                 # cancel_existing must end the live run in the same script, and keys
                 # are never built inside Lua: name that run's key and call again.
@@ -188,8 +202,8 @@ class RunStore:
                 while True:
                     old_id = _text(reply[1])
                     reply = await self._retrying(
-                        lambda old_id=old_id: self.scripts.start_run(
-                            [*script_keys, keys.run(old_id)], argv
+                        lambda old_id=old_id: self._run_script(
+                            self.scripts.start_run, [*script_keys, keys.run(old_id)], argv
                         )
                     )
                     if _text(reply[0]) != "need_old":
@@ -463,6 +477,11 @@ class RunStore:
         if outcome == "not_found":
             raise _run_not_found(run_id)
         return outcome, final
+
+    async def _run_script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+        if self._coalescer is not None:
+            return await self._coalescer.call(script, keys, args)
+        return await script(keys, args)
 
     async def _hgetall_many(self, names: list[str]) -> list[dict[bytes, bytes]]:
         # A fresh pipeline per try: a failed pipeline forgets its commands.

@@ -443,3 +443,39 @@ class _Spy:
 
     def __call__(self, keys, args, *rest, **kw):
         return self._call(keys, args, *rest, **kw)
+
+
+# -- coalesced starts (the listener's mode) ------------------------------------------------
+
+
+@pytest.fixture
+async def coalescing(redis_server, config: Config):
+    from gateway.connection import redis_client
+
+    client = redis_client(redis_server.url, 5.0)
+    yield RunStore(client, config, timeout=10, coalesce=True)
+    await client.aclose()
+
+
+async def test_coalesced_concurrent_starts_keep_every_outcome_apart(coalescing, redis: Redis):
+    await coalescing.start_run("sync", {}, "busy", on_live_match="fail")
+    calls = [coalescing.start_run("sync", {}, f"k{i % 20}") for i in range(100)]
+    calls.append(coalescing.start_run("sync", {}, "busy", on_live_match="fail"))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+
+    refused = results.pop()
+    assert isinstance(refused, RealmError) and refused.code == "STATE_RUN_ALREADY_ACTIVE"
+    assert sum(not r.deduped for r in results) == 20
+    by_key: dict[str, set[str]] = {}
+    for i, r in enumerate(results):
+        by_key.setdefault(f"k{i % 20}", set()).add(r.run_id)
+    assert all(len(ids) == 1 for ids in by_key.values())
+    assert await redis.xlen(KEYS.stream()) == 21
+
+
+async def test_coalesced_starts_survive_a_script_flush(coalescing, redis: Redis):
+    first = await coalescing.start_run("sync", {}, "k")
+    await redis.script_flush()
+    results = await asyncio.gather(*(coalescing.start_run("sync", {}, "k") for _ in range(30)))
+    assert {r.run_id for r in results} == {first.run_id}
+    assert all(r.deduped for r in results)
