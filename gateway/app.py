@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -40,7 +41,12 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     by_path: dict[str, list[Trigger]] = defaultdict(list)
     for trigger in config.triggers.values():
         by_path[trigger.path].append(trigger)
-    max_body = config.settings.max_body_bytes
+    settings = config.settings
+    max_body = settings.max_body_bytes
+    # Deliveries past their body read and not yet answered, in this worker. Past the
+    # limit a delivery gets 503 at once: a queue that grows without bound would only
+    # turn a burst into timeouts for everyone.
+    in_flight = 0
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -57,20 +63,40 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
 
     def webhook(triggers: list[Trigger]) -> Any:
         async def endpoint(request: Request) -> Response:
+            nonlocal in_flight
             started = time.perf_counter()
-            body = await _read_body(request, max_body)
-            if body is None:
+            try:
+                async with asyncio.timeout(settings.body_timeout):
+                    body = await _read_body(request, max_body)
+            except TimeoutError:
+                body = b""
                 reply = delivery.error_reply(
-                    413, "VALIDATION_BODY_TOO_LARGE", f"body is larger than {max_body} bytes"
-                )
+                    408, "VALIDATION_BODY_TIMEOUT",
+                    f"the body did not arrive within {settings.body_timeout:g} s",
+                )  # fmt: skip
             else:
-                reply = await delivery.handle(
-                    request.state.store,
-                    triggers,
-                    request.headers,
-                    request.headers.get("content-type"),
-                    body,
-                )
+                if body is None:
+                    reply = delivery.error_reply(
+                        413, "VALIDATION_BODY_TOO_LARGE", f"body is larger than {max_body} bytes"
+                    )
+                elif in_flight >= settings.max_in_flight:
+                    reply = delivery.error_reply(
+                        503, "OVERLOADED",
+                        f"more than {settings.max_in_flight} deliveries in flight; retry",
+                        **{"Retry-After": "1"},
+                    )  # fmt: skip
+                else:
+                    in_flight += 1
+                    try:
+                        reply = await delivery.handle(
+                            request.state.store,
+                            triggers,
+                            request.headers,
+                            request.headers.get("content-type"),
+                            body,
+                        )
+                    finally:
+                        in_flight -= 1
             _log_delivery(request.url.path, reply, started)
             return JSONResponse(reply.body, reply.status, headers=reply.headers)
 

@@ -32,10 +32,12 @@ RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 DEFAULT_RETENTION = "7d"
 WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "description"}
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
-SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout"}
+SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight"}
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
+DEFAULT_BODY_TIMEOUT = 10.0  # seconds to receive a whole body: a slow sender gets 408
+DEFAULT_MAX_IN_FLIGHT = 1000  # deliveries past their body read, per worker; more get 503
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Settings:
     key_prefix: str = DEFAULT_PREFIX
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -241,10 +245,17 @@ def _parse_settings(raw: object, file: str) -> Settings:
     max_body = raw.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1:
         raise error("max_body_bytes", f"must be a positive integer (got {max_body!r})")
-    timeout = raw.get("redis_timeout", DEFAULT_REDIS_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 60:
-        raise error("redis_timeout", f"must be seconds between 0 and 60 (got {timeout!r})")
-    return Settings(key_prefix=prefix, max_body_bytes=max_body, redis_timeout=float(timeout))
+    timeouts = {}
+    for name, default in (("redis_timeout", DEFAULT_REDIS_TIMEOUT),
+                          ("body_timeout", DEFAULT_BODY_TIMEOUT)):  # fmt: skip
+        value = raw.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
+            raise error(name, f"must be seconds between 0 and 60 (got {value!r})")
+        timeouts[name] = float(value)
+    in_flight = raw.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise error("max_in_flight", f"must be a positive integer (got {in_flight!r})")
+    return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight, **timeouts)
 
 
 def _json_path(path: Any) -> str:
