@@ -37,6 +37,9 @@ class TriggerResult:
     message: str | None = None
     event_id: str | None = None
     params_mismatch: bool = False
+    rerun_of: str | None = None
+    phase: str | None = None
+    next_step: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -45,6 +48,9 @@ class TriggerResult:
             "outcome": self.outcome,
             "run_id": self.run_id,
             "deduped": self.deduped,
+            "rerun_of": self.rerun_of,
+            "phase": self.phase,
+            "next_step": self.next_step,
             "code": self.code,
             "message": self.message,
         }
@@ -123,7 +129,7 @@ async def handle(
 
     # 5. Claim, all matched triggers at once (each is its own workflow's key).
     if claims:
-        fingerprint = hashlib.sha256(body).hexdigest()
+        body_digest = hashlib.sha256(body).hexdigest()
         outcomes = await asyncio.gather(
             *(
                 store.start_run(
@@ -133,7 +139,7 @@ async def handle(
                     trigger.on_live_match,
                     trigger.on_terminal_match,
                     trigger.on_params_mismatch,
-                    fingerprint=fingerprint,
+                    fingerprint=fingerprint_for(trigger, body_digest),
                 )
                 for _, trigger, extracted in claims
             ),
@@ -160,6 +166,14 @@ async def handle(
     )
 
 
+def fingerprint_for(trigger: Trigger, body_digest: str) -> str | None:
+    """What a repeat is compared with. A key that is the event id names one event,
+    so its body must not change: compare bodies. A key built from the payload
+    (a pull request and its head sha, say) is shared by several events on
+    purpose: compare the params they yield (None: the store's default)."""
+    return body_digest if trigger.key.template == "{event_id}" else None
+
+
 def _status_rank(status: int) -> int:
     return {200: 0, 202: 1}.get(status, status)
 
@@ -168,6 +182,9 @@ def _claimed(result: TriggerResult, started: StartResult) -> None:
     result.run_id = started.run_id
     result.deduped = started.deduped
     result.params_mismatch = started.params_mismatch
+    result.rerun_of = started.rerun_of
+    result.phase = started.phase
+    result.next_step = started.next_step
     result.message = replies.start_sentence(started)
     if started.deduped:
         result.outcome, result.status = "deduplicated", 200

@@ -9,9 +9,10 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
+from gateway.delivery import fingerprint_for
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, parse_body
-from gateway.store import RunStore
+from gateway.store import RunStore, canonical_params, fingerprint_of
 from gateway.triggers import Trigger
 from gateway.verify import sign as sign_body
 from gateway.verify import verify
@@ -36,7 +37,7 @@ async def dry_run(
 ) -> dict[str, Any]:
     now = time.time()
     report: dict[str, Any] = {"path": triggers[0].path, "triggers": []}
-    fingerprint = hashlib.sha256(body).hexdigest()
+    body_digest = hashlib.sha256(body).hexdigest()
     for trigger in triggers:
         entry: dict[str, Any] = {"trigger": trigger.name, "workflow": trigger.workflow}
         report["triggers"].append(entry)
@@ -73,7 +74,9 @@ async def dry_run(
         try:
             decision, state = await store.preview_start(
                 trigger.workflow, extracted.key, trigger.on_live_match,
-                trigger.on_terminal_match, trigger.on_params_mismatch, fingerprint,
+                trigger.on_terminal_match, trigger.on_params_mismatch,
+                fingerprint_for(trigger, body_digest)
+                or fingerprint_of(canonical_params(extracted.params)),
             )  # fmt: skip
         except StoreUnavailable as exc:
             entry["result"] = f"claim unknown: {exc.message}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,12 @@ def serve(
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
         os.environ["REALM_REDIS_URL"] = target.url
+        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the handlers
+        # it found and raises the signal again. With Python's defaults that kills
+        # the process (exit -15, or a KeyboardInterrupt traceback) before the
+        # embedded server is stopped: make the re-raised signal a no-op instead.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: None)
         uvicorn.run(
             "gateway.app:app_from_env",
             factory=True,
