@@ -33,6 +33,22 @@ workflows:
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_secret_in_any_listener_log() -> Iterator[None]:
+    """After the whole suite: no listener log holds a secret or token it was given."""
+    yield
+    from tests.listener import LOGS
+
+    leaks = [
+        f"{path}: holds the value of a secret it was given"
+        for path, secrets in LOGS
+        if path.exists()
+        for secret in secrets
+        if secret in path.read_text(errors="replace")
+    ]
+    assert not leaks, "\n".join(leaks)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One private server for the session; each test starts from an empty one."""

@@ -13,6 +13,11 @@ import httpx
 
 from tests.servers import free_port
 
+# Every listener log of the session, with the secrets its process was given:
+# conftest checks at the end of the suite that no log holds any of them.
+LOGS: list[tuple[Path, list[str]]] = []
+SECRET_ENV_WORDS = ("SECRET", "TOKEN", "PASSWORD", "KEY")
+
 
 class Listener:
     """Runs `python -m gateway listen` with a config, env and Redis URL of the test's."""
@@ -37,6 +42,8 @@ class Listener:
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / "listen.log"
+        secrets = [v for k, v in self.env.items() if any(w in k for w in SECRET_ENV_WORDS)]
+        LOGS.append((self.log_path, [v for v in secrets if len(v) >= 6]))
 
     @property
     def base_url(self) -> str:
