@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import delivery
+from gateway import delivery, metrics
 from gateway.api import api_routes
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
@@ -97,7 +97,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
                         )
                     finally:
                         in_flight -= 1
-            _log_delivery(request.url.path, reply, started)
+            _observe(request.url.path, reply, started)
             return JSONResponse(reply.body, reply.status, headers=reply.headers)
 
         return endpoint
@@ -119,12 +119,17 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     async def openapi(request: Request) -> Response:
         return JSONResponse(document)
 
+    async def metrics_text(request: Request) -> Response:
+        text, content_type = metrics.render()
+        return Response(text, headers={"Content-Type": content_type})
+
     routes = [Route(path, webhook(ts), methods=["POST"]) for path, ts in by_path.items()]
     routes += api_routes(api_token)
     routes += [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/openapi.json", openapi),
+        Route("/metrics", metrics_text),
     ]
     return Starlette(
         routes=routes,
@@ -164,13 +169,19 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _log_delivery(path: str, reply: delivery.Reply, started: float) -> None:
-    """One JSON line per delivery. Never a header, a secret, a signature or the body."""
+def _observe(path: str, reply: delivery.Reply, started: float) -> None:
+    """Metrics, and one JSON log line per delivery. Never a header, a secret, a
+    signature or the body."""
+    seconds = time.perf_counter() - started
+    metrics.DELIVERIES.labels(path, str(reply.status)).inc()
+    metrics.LATENCY.labels(path).observe(seconds)
+    for r in reply.results:
+        metrics.OUTCOMES.labels(r.trigger, r.workflow, r.outcome).inc()
     record: dict[str, Any] = {
         "event": "delivery",
         "path": path,
         "status": reply.status,
-        "ms": round((time.perf_counter() - started) * 1000, 2),
+        "ms": round(seconds * 1000, 2),
     }
     if reply.results:
         record["results"] = [

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -31,7 +32,10 @@ def serve(
 ) -> None:
     """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards."""
     _setup_logging()
-    with redis_target(redis_url, data_dir) as target:
+    with (
+        redis_target(redis_url, data_dir) as target,
+        tempfile.TemporaryDirectory(prefix="realm-metrics-") as metrics_dir,
+    ):
         echo = lambda text: click.echo(text, err=True)  # noqa: E731
         echo(f"realm listen: http://{host}:{port} ({workers} worker{'s' * (workers > 1)})")
         echo(f"store: {target.description}")
@@ -51,6 +55,8 @@ def serve(
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
         os.environ["REALM_REDIS_URL"] = target.url
+        # Each worker writes its metrics here; /metrics sums them (gateway/metrics.py).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the handlers
         # it found and raises the signal again. With Python's defaults that kills
         # the process (exit -15, or a KeyboardInterrupt traceback) before the

@@ -152,6 +152,7 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
         ("/healthz", "The process is up"),
         ("/readyz", "Redis answers and the scripts are loaded"),
         ("/openapi.json", "This document"),
+        ("/metrics", "Prometheus metrics, summed over the workers"),
     ):
         paths[path] = {"get": {"operationId": path.strip("/"), "summary": summary,
                                "responses": {"200": {"description": "ok"}}}}  # fmt: skip

@@ -180,3 +180,25 @@ def test_openapi_describes_every_route_the_app_serves(listener: Listener):
 def test_health_and_readiness(listener: Listener):
     assert httpx.get(listener.base_url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(listener.base_url + "/readyz").status_code == 200
+
+
+def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: Path):
+    import redis
+
+    redis.Redis.from_url(server.url).flushall()
+    two = Listener(tmp_path, CONFIG, redis_url=server.url, workers=2,
+                   env={"HOOK_TOKEN": "hook-secret"}).start()  # fmt: skip
+    try:
+        for i in range(20):
+            reply = httpx.post(two.base_url + "/hooks/plain", content=b"{}", timeout=10,
+                               headers={"X-Token": "hook-secret", "X-Event-Id": f"e{i % 5}"})  # fmt: skip
+            assert reply.status_code in (200, 202)
+        text = httpx.get(two.base_url + "/metrics", timeout=10).text
+        assert 'realm_deliveries_total{path="/hooks/plain",status="202"} 5.0' in text
+        assert 'realm_deliveries_total{path="/hooks/plain",status="200"} 15.0' in text
+        assert (
+            'realm_trigger_outcomes_total{outcome="deduplicated",trigger="hook",workflow="sync"} '
+            "15.0" in text
+        )
+    finally:
+        two.stop()
