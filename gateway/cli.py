@@ -199,33 +199,7 @@ def run_show(
 ) -> None:
     """Print a run's fields."""
     found = with_store(config_path, redis_url, data_dir, lambda store: store.get_run(run_id))
-    _emit(as_json, _run_text(found), found.as_dict())
-
-
-def _run_text(run: Run) -> str:
-    lines = [
-        f"Run: {run.id}",
-        f"Workflow: {run.workflow}",
-        f"Phase: {run.phase}",
-        f"Step: {run.step or '-'} ({' → '.join(run.steps)})",
-        f"Idempotency key: {run.key or '-'}",
-        f"Params: {orjson.dumps(dict(run.params)).decode()}",
-        f"Created: {_ms(run.created_ms)}",
-        f"Updated: {_ms(run.updated_ms)}",
-    ]
-    if run.ended_ms:
-        lines.append(f"Ended: {_ms(run.ended_ms)}")
-    if run.rerun_of:
-        lines.append(f"Rerun of: {run.rerun_of}")
-    if run.error:
-        lines.append(f"Error: {run.error}")
-    return "\n".join(lines)
-
-
-def _ms(ms: int) -> str:
-    from datetime import UTC, datetime
-
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+    _emit(as_json, replies.run_text(found), found.as_dict())
 
 
 @run.command("list")
@@ -264,7 +238,7 @@ def run_list(
     if not runs:
         click.echo("no runs")
     for r in runs:
-        click.echo(f"{r.id}  {r.workflow:<16} {r.phase:<10} {r.step or '-':<12} {r.key or '-'}")
+        click.echo(replies.run_line(r))
 
 
 @run.command("cancel")
@@ -307,14 +281,14 @@ def run_complete(
     result = with_store(
         config_path, redis_url, data_dir, lambda store: store.complete_step(run_id, step)
     )
-    if result.next_step:
-        sentence = f"Step '{step}' done. Ready for the agent: '{result.next_step}'."
-    else:
-        sentence = f"Step '{step}' done; run '{run_id}' is completed."
-    text = f"status: ok\nrun_id: {run_id}\nphase: {result.phase}\n{sentence}"
-    data = {"status": "ok", "run_id": run_id, "phase": result.phase,
-            "next_step": result.next_step, "message": sentence}  # fmt: skip
-    _emit(as_json, text, data)
+    data = {
+        "status": "ok",
+        "run_id": run_id,
+        "phase": result.phase,
+        "next_step": result.next_step,
+        "message": replies.step_sentence(step, result),
+    }
+    _emit(as_json, replies.step_text(step, result), data)
 
 
 @run.command("fail")
@@ -334,10 +308,9 @@ def run_fail(
     found = with_store(
         config_path, redis_url, data_dir, lambda store: store.fail_run(run_id, error_text)
     )
-    sentence = f"Run '{run_id}' failed."
-    text = f"status: ok\nrun_id: {run_id}\nphase: {found.phase}\n{sentence}"
-    _emit(as_json, text, {"status": "ok", "run_id": run_id, "phase": found.phase,
-                          "message": sentence})  # fmt: skip
+    _emit(as_json, replies.fail_text(found), {"status": "ok", "run_id": run_id,
+                                              "phase": found.phase,
+                                              "message": f"Run '{run_id}' failed."})  # fmt: skip
 
 
 def _load_full(config_path: str) -> Config:
@@ -405,6 +378,44 @@ def listen(
     try:
         serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
               data_dir=data_dir)  # fmt: skip
+    except (ServerNotFound, RuntimeError) as exc:
+        click.echo(f"error: cannot start the embedded server: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+
+
+@main.command("mcp")
+@click.option(
+    "--config",
+    "config_path",
+    default="triggers.yaml",
+    show_default=True,
+    envvar="REALM_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="The triggers.yaml that defines the workflows. [env: REALM_CONFIG]",
+)
+@click.option(
+    "--redis-url",
+    envvar="REALM_REDIS_URL",
+    default=None,
+    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
+)
+@click.option(
+    "--data-dir",
+    envvar="REALM_DATA_DIR",
+    default=DEFAULT_DATA_DIR,
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
+)
+def mcp(config_path: str, redis_url: str | None, data_dir: str) -> None:
+    """Serve the run tools to an MCP client over stdio."""
+    from gateway.mcp_server import serve_stdio
+
+    config = _load_workflows(config_path)
+    try:
+        with redis_target(redis_url, data_dir) as target:
+            click.echo(f"using {target.description}", err=True)  # stdout is the protocol
+            serve_stdio(config, target.url)
     except (ServerNotFound, RuntimeError) as exc:
         click.echo(f"error: cannot start the embedded server: {exc}", err=True)
         sys.exit(EXIT_UNAVAILABLE)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError
+from referencing.exceptions import Unresolvable
 
 from gateway.errors import ConfigError, RealmError
 from gateway.keys import DEFAULT_PREFIX
@@ -52,7 +53,12 @@ class Workflow:
         """Every way ``params`` fails the schema, each as ``<where>: <reason>``."""
         if self._validator is None:
             return []
-        errors = sorted(self._validator.iter_errors(params), key=lambda e: list(e.path))
+        try:
+            errors = sorted(self._validator.iter_errors(params), key=lambda e: list(e.path))
+        except Unresolvable as exc:
+            # A $ref that only these params reach, and that leads nowhere: the load
+            # check cannot see every branch, so refuse the params, never crash.
+            return [f"$: params_schema cannot be applied: {exc}"]
         return [f"{_json_path(e.absolute_path)}: {e.message}" for e in errors]
 
     def check_params(self, params: object) -> None:
@@ -209,15 +215,23 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
     if schema is not None:
         if not isinstance(schema, dict):
             raise error("params_schema", "must be a JSON Schema object (a mapping)")
-        cls = validators.validator_for(schema)
+        if not isinstance(schema.get("$schema", ""), str):
+            raise error("params_schema", "'$schema' must be a string (a dialect URI)")
         try:
+            cls = validators.validator_for(schema)
             cls.check_schema(schema)
+            validator = cls(schema)
+            # check_schema does not follow $ref; one validation does, so a reference
+            # to nowhere is a config error here rather than a 500 on every delivery.
+            list(validator.iter_errors({}))
         except SchemaError as exc:
             where = _json_path(exc.absolute_path)
             raise error(
                 "params_schema", f"not a valid JSON Schema at {where}: {exc.message}"
             ) from None
-        validator = cls(schema)
+        except (Unresolvable, TypeError, ValueError, AttributeError) as exc:
+            # Unresolvable: jsonschema's error for a $ref it cannot resolve.
+            raise error("params_schema", f"cannot be used: {exc}") from None
     return Workflow(
         name=name,
         steps=tuple(steps),

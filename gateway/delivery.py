@@ -120,14 +120,14 @@ async def handle(
             continue
         try:
             extracted = trigger.extract(headers, doc, body)
-            store.config.workflow(trigger.workflow).check_params(extracted.params)
-        except (ExtractError, RealmError) as exc:
+        except ExtractError as exc:
             _refuse(result, exc)
             continue
         result.event_id = extracted.event_id
         claims.append((result, trigger, extracted))
 
-    # 5. Claim, all matched triggers at once (each is its own workflow's key).
+    # 5. Claim, all matched triggers at once (each is its own workflow's key). The
+    #    store checks the params against params_schema before any Redis call.
     if claims:
         body_digest = hashlib.sha256(body).hexdigest()
         outcomes = await asyncio.gather(

@@ -41,8 +41,17 @@ class ConfigError(Exception):
             where.append(section)
         if field:
             where.append(f"field '{field}'")
-        super().__init__(": ".join([*where, message]))
+        # One line, always: a name or value from the file may hold a line break.
+        super().__init__(_one_line(": ".join([*where, message])))
         self.file = file
         self.section = section
         self.name = name
         self.field = field
+
+
+def _one_line(text: str) -> str:
+    if len(text.splitlines()) <= 1 and not text.endswith(("\n", "\r")):
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode() if ch.splitlines() != [ch] else ch for ch in text
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 from gateway.errors import RealmError
-from gateway.store import BatchEntry, StartResult
+from gateway.store import BatchEntry, Run, StartResult, StepResult
 
 
 def start_sentence(result: StartResult) -> str:
@@ -88,3 +91,49 @@ def batch_json(entries: list[BatchEntry]) -> list[dict[str, Any]]:
             item.update(error_json(entry.error))
         out.append(item)
     return out
+
+
+def step_sentence(step: str, result: StepResult) -> str:
+    if result.next_step:
+        return f"Step '{step}' done. Ready for the agent: '{result.next_step}'."
+    return f"Step '{step}' done; run '{result.run_id}' is completed."
+
+
+def step_text(step: str, result: StepResult) -> str:
+    return (
+        f"status: ok\nrun_id: {result.run_id}\nphase: {result.phase}\n{step_sentence(step, result)}"
+    )
+
+
+def fail_text(run: Run) -> str:
+    return f"status: ok\nrun_id: {run.id}\nphase: {run.phase}\nRun '{run.id}' failed."
+
+
+def run_text(run: Run) -> str:
+    """A run's fields, one per line, as ``realm run show`` prints them."""
+    lines = [
+        f"Run: {run.id}",
+        f"Workflow: {run.workflow}",
+        f"Phase: {run.phase}",
+        f"Step: {run.step or '-'} ({' → '.join(run.steps)})",
+        f"Idempotency key: {run.key or '-'}",
+        f"Params: {orjson.dumps(dict(run.params)).decode()}",
+        f"Created: {_ms(run.created_ms)}",
+        f"Updated: {_ms(run.updated_ms)}",
+    ]
+    if run.ended_ms:
+        lines.append(f"Ended: {_ms(run.ended_ms)}")
+    if run.rerun_of:
+        lines.append(f"Rerun of: {run.rerun_of}")
+    if run.error:
+        lines.append(f"Error: {run.error}")
+    return "\n".join(lines)
+
+
+def run_line(run: Run) -> str:
+    """One line of ``realm run list``."""
+    return f"{run.id}  {run.workflow:<16} {run.phase:<10} {run.step or '-':<12} {run.key or '-'}"
+
+
+def _ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")

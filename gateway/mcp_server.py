@@ -1,0 +1,352 @@
+"""The MCP tools (``realm mcp``): the run store over a stdio MCP server.
+
+Built on the official ``mcp`` SDK (2.x, ``MCPServer``). The tools' arguments
+mirror the HTTP API, and their replies are the text replies of DESIGN §4,
+exactly as the CLI prints them, so a run started through MCP reads like Realm's
+documentation. A refusal is a reply too (``status: error`` and its code, with
+the result marked as an error), never an exception or a traceback.
+
+Only the protocol goes to stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.types import CallToolResult, TextContent
+from pydantic import Field, ValidationError
+
+from gateway import replies
+from gateway.config import Config, load_config
+from gateway.connection import redis_client
+from gateway.errors import ConfigError, RealmError
+from gateway.store import MAX_BATCH_ITEMS, RunStore
+
+log = logging.getLogger("realm.mcp")
+
+StoreFactory = Callable[[], AbstractAsyncContextManager[RunStore]]
+"""Opens the store for the server's lifetime and closes it after (see ``serve_stdio``)."""
+
+# Literal types, so that each tool's JSON schema lists the allowed values.
+LiveMatchArg = Literal["use_existing", "fail", "cancel_existing"]
+TerminalMatchArg = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
+ParamsMismatchArg = Literal["flag", "reject"]
+PhaseArg = Literal["running", "completed", "failed", "cancelled"]
+
+INSTRUCTIONS = """\
+Realm starts workflow runs exactly once. Give start_run an idempotency_key that
+names the piece of work (an order number, an event id): a repeat with the same key
+starts nothing and returns the run that already exists (deduped: true), with the
+step that is ready next. Every reply starts with 'status: ok' or 'status: error'
+followed by a code such as STATE_RUN_ALREADY_ACTIVE."""
+
+WorkflowId = Annotated[str, Field(description="The workflow, as named in triggers.yaml.")]
+RunId = Annotated[str, Field(description="The run's id (a UUID), as start_run returned it.")]
+Params = Annotated[
+    dict[str, Any],
+    Field(
+        default_factory=dict,
+        description="The run's parameters (a JSON object); checked against the "
+        "workflow's params_schema.",
+        json_schema_extra={"default": {}},
+    ),
+]
+IdempotencyKey = Annotated[
+    str | None,
+    Field(
+        description="Names the piece of work: a repeat with the same key (for the same "
+        "workflow) starts no new run. Without a key every call starts a new run.",
+    ),
+]
+LiveMatch = Annotated[
+    LiveMatchArg,
+    Field(
+        description="A repeat while the key's run is live: use_existing returns it "
+        "(deduped: true); fail refuses (STATE_RUN_ALREADY_ACTIVE); cancel_existing "
+        "cancels it and starts a new run.",
+    ),
+]
+TerminalMatch = Annotated[
+    TerminalMatchArg,
+    Field(
+        description="A repeat after the key's run ended: reuse returns it (deduped: true); "
+        "reject refuses (STATE_IDEMPOTENCY_KEY_USED); rerun_if_failed starts a new run "
+        "if it failed or was cancelled, else returns it; rerun always starts a new run.",
+    ),
+]
+ParamsMismatch = Annotated[
+    ParamsMismatchArg,
+    Field(
+        description="A repeat whose params differ from the key's run: flag returns the "
+        "run with params_mismatch: true; reject refuses (STATE_IDEMPOTENCY_KEY_CONFLICT).",
+    ),
+]
+# The items are handed to the store as they came, so that a bad item is reported
+# per item (VALIDATION_BATCH_ITEMS) as in Realm's documentation; the schema still
+# tells the client their shape.
+BatchItems = Annotated[
+    list[dict[str, Any]],
+    Field(
+        description='One entry per run: {"params": {...}, "idempotency_key": "..."} '
+        "(both optional).",
+        json_schema_extra={
+            "minItems": 1,
+            "maxItems": MAX_BATCH_ITEMS,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "params": {"type": "object", "default": {}},
+                    "idempotency_key": {"type": ["string", "null"], "default": None},
+                },
+            },
+        },
+    ),
+]
+
+
+class RealmMCPServer(MCPServer[RunStore]):
+    """``MCPServer`` whose argument-validation refusals read like every other reply:
+    ``status: error`` and ``VALIDATION_PARAMS`` naming the fields, not pydantic's text."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(exc, UnexpectedToolError) or not isinstance(cause, ValidationError):
+                raise
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in err['loc']) or 'arguments'}: {err['msg']}"
+                for err in cause.errors()
+            )
+            return _error(RealmError("VALIDATION_PARAMS", f"{name}: {problems}"))
+
+
+def build_server(store_factory: StoreFactory) -> RealmMCPServer:
+    """The MCP server with Realm's seven tools.
+
+    ``store_factory()`` is entered once, in the server's lifespan, and its
+    ``RunStore`` serves every tool call until the session ends.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_server: MCPServer[RunStore]) -> AsyncIterator[RunStore]:
+        async with store_factory() as store:
+            yield store
+
+    server = RealmMCPServer(
+        "realm",
+        title="Realm Gateway",
+        instructions=INSTRUCTIONS,
+        lifespan=lifespan,
+        log_level="WARNING",
+    )
+
+    @server.tool(
+        description="Start a run of a workflow, or return the run its idempotency key "
+        "already has. The reply says whether it deduplicated (deduped: true/false), the "
+        "run_id, and which step is ready next."
+    )
+    async def start_run(
+        ctx: Context,
+        workflow_id: WorkflowId,
+        params: Params,
+        idempotency_key: IdempotencyKey = None,
+        on_live_match: LiveMatch = "use_existing",
+        on_terminal_match: TerminalMatch = "reuse",
+        on_params_mismatch: ParamsMismatch = "flag",
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            result = await store.start_run(
+                workflow_id, params, idempotency_key,
+                on_live_match, on_terminal_match, on_params_mismatch,
+            )  # fmt: skip
+            return replies.start_text(result)
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Start several runs of one workflow in one call: one line per item, "
+        "each with its run id and deduped: true/false. Every item is checked first: if "
+        "any item's params fail the workflow's params_schema, no run starts "
+        "(VALIDATION_BATCH_ITEMS). The policies apply to every item."
+    )
+    async def start_run_batch(
+        ctx: Context,
+        workflow_id: WorkflowId,
+        items: BatchItems,
+        on_live_match: LiveMatch = "use_existing",
+        on_terminal_match: TerminalMatch = "reuse",
+        on_params_mismatch: ParamsMismatch = "flag",
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            entries = await store.start_run_batch(
+                workflow_id, items, on_live_match, on_terminal_match, on_params_mismatch
+            )
+            return "status: ok\n" + replies.batch_text(entries)
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Show one run: workflow, phase, current step, idempotency key, "
+        "params, times, and the run it reran or its error, if any."
+    )
+    async def get_run(ctx: Context, run_id: RunId) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            return replies.run_text(await store.get_run(run_id))
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="List a workflow's runs, newest first, one line per run (id, workflow, "
+        "phase, step, key). Filter by idempotency key or phase. When there are more, the "
+        "last line is 'cursor: N': pass it back as cursor for the next page."
+    )
+    async def list_runs(
+        ctx: Context,
+        workflow_id: WorkflowId,
+        idempotency_key: Annotated[
+            str | None, Field(description="Only the runs of this key (newest first).")
+        ] = None,
+        phase: Annotated[PhaseArg | None, Field(description="Only runs in this phase.")] = None,
+        limit: Annotated[int, Field(ge=1, le=1000, description="Runs per page.")] = 20,
+        cursor: Annotated[
+            str | None, Field(description="The cursor a previous page returned.")
+        ] = None,
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            runs, next_cursor = await store.list_runs(
+                workflow_id, key=idempotency_key, phase=phase, limit=limit, cursor=cursor
+            )
+            lines = [replies.run_line(run) for run in runs] or ["no runs"]
+            if next_cursor is not None:
+                lines.append(f"cursor: {next_cursor}")
+            return "\n".join(lines)
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Cancel a live run: give run_id, or workflow_id and idempotency_key "
+        "to cancel the live run of that key. Replies cancelled: 1, or cancelled: 0 when "
+        "the run had already ended (it is left as it is)."
+    )
+    async def cancel_run(
+        ctx: Context,
+        run_id: Annotated[str | None, Field(description="The run to cancel.")] = None,
+        workflow_id: Annotated[
+            str | None, Field(description="With idempotency_key: the key's workflow.")
+        ] = None,
+        idempotency_key: Annotated[
+            str | None, Field(description="With workflow_id: cancel this key's live run.")
+        ] = None,
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            if run_id is not None and workflow_id is None and idempotency_key is None:
+                count = await store.cancel_run(run_id)
+            elif run_id is None and workflow_id is not None and idempotency_key is not None:
+                count = await store.cancel_key(workflow_id, idempotency_key)
+            else:
+                raise RealmError(
+                    "VALIDATION_PARAMS",
+                    "give either run_id or both workflow_id and idempotency_key",
+                )
+            return f"status: ok\ncancelled: {count}"
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Record that a run's current step finished: the run moves to its next "
+        "step (named in the reply) or, after the last step, completes. A step that is not "
+        "the current one, or a run that has ended, is refused."
+    )
+    async def complete_step(
+        ctx: Context,
+        run_id: RunId,
+        step: Annotated[str, Field(description="The step that finished (the current one).")],
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            return replies.step_text(step, await store.complete_step(run_id, step))
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="End a live run as failed, with an optional error text stored with the "
+        "run. A run that has already ended is refused (STATE_RUN_NOT_LIVE)."
+    )
+    async def fail_run(
+        ctx: Context,
+        run_id: RunId,
+        error: Annotated[str, Field(description="Why it failed (stored with the run).")] = "",
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            return replies.fail_text(await store.fail_run(run_id, error))
+
+        return await _call(ctx, work)
+
+    return server
+
+
+async def _call(ctx: Context, work: Callable[[RunStore], Awaitable[str]]) -> CallToolResult:
+    """Run one tool's work on the session's store; every outcome becomes a text reply."""
+    try:
+        store: RunStore = ctx.request_context.lifespan_context
+        return CallToolResult(content=[TextContent(type="text", text=await work(store))])
+    except RealmError as exc:  # includes StoreUnavailable
+        return _error(exc)
+    except Exception:
+        # The details (and the traceback) go to the log on stderr only: an
+        # exception's text can hold things the caller should not see.
+        log.exception("MCP tool failed unexpectedly")
+        return _error(RealmError("INTERNAL", "unexpected server error; see the server's log"))
+
+
+def _error(error: RealmError) -> CallToolResult:
+    return CallToolResult(
+        content=[TextContent(type="text", text=replies.error_text(error))], is_error=True
+    )
+
+
+def serve_stdio(config: Config, redis_url: str) -> None:
+    """Serve the MCP tools over stdin/stdout until stdin closes (blocking).
+
+    One Redis client and one ``RunStore`` serve the whole session; they are
+    opened in the server's lifespan and closed when it ends.
+    """
+
+    @asynccontextmanager
+    async def open_store() -> AsyncIterator[RunStore]:
+        client = redis_client(redis_url, config.settings.redis_timeout)
+        try:
+            yield RunStore(client, config)
+        finally:
+            await client.aclose()
+
+    build_server(open_store).run("stdio")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m gateway.mcp_server --config triggers.yaml --redis-url URL``.
+
+    For tests and development; ``realm mcp`` is the command for users.
+    """
+    parser = argparse.ArgumentParser(prog="python -m gateway.mcp_server")
+    parser.add_argument("--config", default="triggers.yaml", help="the triggers.yaml")
+    parser.add_argument("--redis-url", required=True, help="redis:// or unix:// URL")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, with_triggers=False)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(3)
+    serve_stdio(config, args.redis_url)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The webhook routes as plain ASGI: a POST to a trigger path goes straight to the
+request path (gateway/delivery.py); everything else goes on to the Starlette app.
+
+This is the hot path, so it skips what a framework adds per request (a Request
+object, route matching, middleware layers): a dict lookup, one body read, one
+reply. The Starlette app still owns the lifespan (the store reaches here in
+``scope["state"]``) and answers other methods on these paths with 405.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+
+from gateway import delivery
+from gateway.config import Settings
+from gateway.observe import observe_delivery
+from gateway.triggers import Trigger
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The sender closed the connection before its body arrived."""
+
+
+class Webhooks:
+    def __init__(
+        self, app: Starlette, by_path: Mapping[str, Sequence[Trigger]], settings: Settings
+    ) -> None:
+        self.app = app  # everything that is not a webhook POST
+        self.by_path = by_path
+        self.settings = settings
+        # Deliveries past their body read and not yet answered, in this worker. Past
+        # the limit a delivery gets 503 at once: a queue that grows without bound
+        # would only turn a burst into timeouts for everyone.
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            triggers = self.by_path.get(scope["path"])
+            if triggers is not None:
+                await self._deliver(scope, receive, send, triggers)
+                return
+        await self.app(scope, receive, send)
+
+    async def _deliver(
+        self, scope: Scope, receive: Receive, send: Send, triggers: Sequence[Trigger]
+    ) -> None:
+        started = time.perf_counter()
+        settings = self.settings
+        headers = Headers(scope=scope)
+        try:
+            async with asyncio.timeout(settings.body_timeout):
+                body = await _read_body(headers, receive, settings.max_body_bytes)
+        except ClientGone:
+            return
+        except TimeoutError:
+            reply = delivery.error_reply(
+                408, "VALIDATION_BODY_TIMEOUT",
+                f"the body did not arrive within {settings.body_timeout:g} s",
+            )  # fmt: skip
+        else:
+            if body is None:
+                reply = delivery.error_reply(
+                    413, "VALIDATION_BODY_TOO_LARGE",
+                    f"body is larger than {settings.max_body_bytes} bytes",
+                )  # fmt: skip
+            elif self.in_flight >= settings.max_in_flight:
+                reply = delivery.error_reply(
+                    503, "OVERLOADED",
+                    f"more than {settings.max_in_flight} deliveries in flight; retry",
+                    **{"Retry-After": "1"},
+                )  # fmt: skip
+            else:
+                self.in_flight += 1
+                try:
+                    reply = await delivery.handle(
+                        scope["state"]["store"], triggers, headers,
+                        headers.get("content-type"), body,
+                    )  # fmt: skip
+                finally:
+                    self.in_flight -= 1
+        observe_delivery(scope["path"], reply, started)
+        payload = orjson.dumps(reply.body)
+        raw_headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in reply.headers.items()),
+        ]
+        await send({"type": "http.response.start", "status": reply.status, "headers": raw_headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _read_body(headers: Headers, receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it is known to be over ``limit``: a
+    declared length is refused before reading, a streamed one mid-way."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

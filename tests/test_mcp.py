@@ -1,0 +1,333 @@
+"""The MCP tools, end to end: ``python -m gateway.mcp_server`` as a subprocess, driven
+over stdio by the ``mcp`` SDK's own client, against a private Redis.
+
+The replies are compared with the texts of DESIGN §4 and Realm's documentation
+(``reference/realm-start-runs-safely.txt``) character for character.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client, ClientSession, StdioServerParameters, stdio_client
+from mcp.types import CallToolResult, TextContent
+from redis.asyncio import Redis
+
+from gateway.mcp_server import build_server
+from tests.conftest import WORKFLOWS_YAML
+from tests.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+TOOLS = {
+    "start_run",
+    "start_run_batch",
+    "get_run",
+    "list_runs",
+    "cancel_run",
+    "complete_step",
+    "fail_run",
+}
+
+
+class Tools:
+    """A connected client session; ``call`` returns the reply text and the error flag."""
+
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+
+    async def call(self, name: str, **arguments: Any) -> tuple[str, bool]:
+        result = await self.session.call_tool(name, arguments)
+        assert isinstance(result, CallToolResult)
+        assert len(result.content) == 1
+        block = result.content[0]
+        assert isinstance(block, TextContent)
+        assert "Traceback" not in block.text
+        return block.text, bool(result.is_error)
+
+    async def ok(self, name: str, **arguments: Any) -> str:
+        text, is_error = await self.call(name, **arguments)
+        assert not is_error, text
+        return text
+
+    async def refused(self, name: str, **arguments: Any) -> str:
+        text, is_error = await self.call(name, **arguments)
+        assert is_error, text
+        assert text.startswith("status: error\n"), text
+        return text
+
+    async def start(self, **arguments: Any) -> str:
+        """Start (or match) a run; its id."""
+        text = await self.ok("start_run", **arguments)
+        found = re.search(rf"^run_id: ({UUID})$", text, re.M)
+        assert found, text
+        return found.group(1)
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "triggers.yaml"
+    path.write_text(WORKFLOWS_YAML, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def connect(config_file: Path, redis_server: RedisServer, redis: Redis) -> Callable[..., Any]:
+    """Opens an MCP session with a fresh server process (on the flushed test Redis)."""
+
+    @asynccontextmanager
+    async def open_session(url: str | None = None) -> AsyncIterator[Tools]:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "gateway.mcp_server", "--config", str(config_file),
+                  "--redis-url", url or redis_server.url],
+            cwd=ROOT,
+        )  # fmt: skip
+        async with (
+            stdio_client(params) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield Tools(session)
+
+    return open_session
+
+
+async def test_lists_the_seven_tools_with_typed_arguments(connect: Callable[..., Any]) -> None:
+    async with connect() as tools:
+        listed = (await tools.session.list_tools()).tools
+    by_name = {tool.name: tool for tool in listed}
+    assert set(by_name) == TOOLS
+    assert all(tool.description for tool in listed)
+    start = by_name["start_run"].input_schema
+    assert start["required"] == ["workflow_id"]
+    props = start["properties"]
+    assert props["on_live_match"]["enum"] == ["use_existing", "fail", "cancel_existing"]
+    assert props["on_live_match"]["default"] == "use_existing"
+    assert props["on_terminal_match"]["enum"] == ["reuse", "reject", "rerun_if_failed", "rerun"]
+    assert props["on_terminal_match"]["default"] == "reuse"
+    assert props["params"]["type"] == "object"
+    batch = by_name["start_run_batch"].input_schema
+    assert batch["properties"]["items"]["type"] == "array"
+    assert batch["properties"]["on_live_match"]["enum"] == props["on_live_match"]["enum"]
+    assert by_name["list_runs"].input_schema["properties"]["phase"]["anyOf"][0]["enum"] == [
+        "running", "completed", "failed", "cancelled",
+    ]  # fmt: skip
+
+
+async def test_start_repeat_and_fail_read_as_documented(connect: Callable[..., Any]) -> None:
+    async with connect() as tools:
+        first = await tools.ok(
+            "start_run", workflow_id="sync", params={}, idempotency_key="order-4417"
+        )
+        found = re.fullmatch(
+            rf"status: ok\ndeduped: false\nrun_id: ({UUID})\n"
+            rf"Run '({UUID})' created for workflow 'sync'\. Ready for the agent: 'fetch'\.",
+            first,
+        )
+        assert found, first
+        run_id = found.group(1)
+        assert found.group(2) == run_id
+
+        repeat = await tools.ok(
+            "start_run", workflow_id="sync", params={}, idempotency_key="order-4417"
+        )
+        assert repeat == (
+            f"status: ok\ndeduped: true\nrun_id: {run_id}\n"
+            f"Matched existing run '{run_id}' (idempotent) in phase 'running'; "
+            "no new run created. Ready for the agent: 'fetch'."
+        )
+
+        refused = await tools.refused(
+            "start_run", workflow_id="sync", idempotency_key="order-4417", on_live_match="fail"
+        )
+        assert refused == (
+            "status: error\nSTATE_RUN_ALREADY_ACTIVE: Idempotency key for workflow 'sync' "
+            f"is owned by an active run '{run_id}' (phase 'running')."
+        )
+
+        # After the run ended, rerun starts a new one that names the old.
+        await tools.ok("fail_run", run_id=run_id, error="boom")
+        rerun = await tools.ok(
+            "start_run", workflow_id="sync", idempotency_key="order-4417",
+            on_terminal_match="rerun_if_failed",
+        )  # fmt: skip
+        found = re.fullmatch(
+            rf"status: ok\ndeduped: false\nrun_id: ({UUID})\nrerun_of: {run_id}\n"
+            rf"Run '({UUID})' created for workflow 'sync'; it supersedes run '{run_id}' "
+            r"under the same idempotency key \(on_terminal_match\)\. "
+            r"Ready for the agent: 'fetch'\.",
+            rerun,
+        )
+        assert found, rerun
+        assert found.group(1) == found.group(2) != run_id
+
+
+async def test_batch_lists_one_line_per_item(connect: Callable[..., Any]) -> None:
+    async with connect() as tools:
+        existing = await tools.start(workflow_id="sync", idempotency_key="order-4417")
+        text = await tools.ok(
+            "start_run_batch",
+            workflow_id="sync",
+            items=[
+                {"params": {}, "idempotency_key": "order-21"},
+                {"params": {}, "idempotency_key": "order-22"},
+                {"params": {}, "idempotency_key": "order-4417"},
+            ],
+        )
+        found = re.fullmatch(
+            rf"status: ok\n"
+            rf"order-21    run ({UUID})  deduped: false\n"
+            rf"order-22    run ({UUID})  deduped: false\n"
+            rf"order-4417  run ({UUID})  deduped: true",
+            text,
+        )
+        assert found, text
+        assert found.group(3) == existing
+        assert len({found.group(1), found.group(2), existing}) == 3
+        # The batch's runs are real runs, found by their keys.
+        assert await tools.start(workflow_id="sync", idempotency_key="order-21") == found.group(1)
+
+
+async def test_batch_with_a_bad_item_creates_nothing(
+    connect: Callable[..., Any], redis: Redis
+) -> None:
+    async with connect() as tools:
+        text = await tools.refused(
+            "start_run_batch",
+            workflow_id="deploy",
+            items=[
+                {"params": {"repo": "acme/app", "sha": "abc1234"}, "idempotency_key": "d-1"},
+                {"params": {"repo": "acme/app"}, "idempotency_key": "d-2"},
+            ],
+        )
+        lines = text.split("\n")
+        assert lines[:2] == [
+            "status: error",
+            "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item(s) failed schema validation",
+        ]
+        assert lines[2].startswith("  - item 1: ")
+        assert "sha" in lines[2]
+        assert lines[-1] == "One or more items failed schema validation. No runs were created."
+        assert await tools.ok("list_runs", workflow_id="deploy") == "no runs"
+        # An empty batch is refused by the store's own rule, with the same code.
+        empty = await tools.refused("start_run_batch", workflow_id="deploy", items=[])
+        assert empty.startswith("status: error\nVALIDATION_BATCH_ITEMS: ")
+    assert await redis.dbsize() == 0
+
+
+async def test_run_lifecycle_replies(connect: Callable[..., Any]) -> None:
+    async with connect() as tools:
+        run_id = await tools.start(
+            workflow_id="deploy", params={"repo": "acme/app", "sha": "abc1234"},
+            idempotency_key="push-1",
+        )  # fmt: skip
+        shown = await tools.ok("get_run", run_id=run_id)
+        lines = shown.split("\n")
+        assert lines[:6] == [
+            f"Run: {run_id}",
+            "Workflow: deploy",
+            "Phase: running",
+            "Step: fetch (fetch → build → release)",
+            "Idempotency key: push-1",
+            'Params: {"repo":"acme/app","sha":"abc1234"}',
+        ]
+        assert lines[6].startswith("Created: ") and lines[7].startswith("Updated: ")
+
+        assert await tools.ok("complete_step", run_id=run_id, step="fetch") == (
+            f"status: ok\nrun_id: {run_id}\nphase: running\n"
+            "Step 'fetch' done. Ready for the agent: 'build'."
+        )
+        wrong = await tools.refused("complete_step", run_id=run_id, step="fetch")
+        assert wrong.startswith("status: error\nSTATE_STEP_NOT_CURRENT: ")
+        assert await tools.ok("fail_run", run_id=run_id, error="disk full") == (
+            f"status: ok\nrun_id: {run_id}\nphase: failed\nRun '{run_id}' failed."
+        )
+        shown = await tools.ok("get_run", run_id=run_id)
+        assert "Phase: failed" in shown and "Error: disk full" in shown
+        again = await tools.refused("fail_run", run_id=run_id)
+        assert again.startswith("status: error\nSTATE_RUN_NOT_LIVE: ")
+        # Cancelling an ended run changes nothing and is no error.
+        assert await tools.ok("cancel_run", run_id=run_id) == "status: ok\ncancelled: 0"
+
+        live = await tools.start(workflow_id="sync", idempotency_key="a")
+        assert await tools.ok("cancel_run", run_id=live) == "status: ok\ncancelled: 1"
+        assert "Phase: cancelled" in await tools.ok("get_run", run_id=live)
+        late = await tools.refused("complete_step", run_id=live, step="fetch")
+        assert late.startswith("status: error\nSTATE_RUN_NOT_LIVE: ")
+
+        by_key = await tools.start(workflow_id="sync", idempotency_key="b")
+        assert (
+            await tools.ok("cancel_run", workflow_id="sync", idempotency_key="b")
+            == "status: ok\ncancelled: 1"
+        )
+        assert (
+            await tools.ok("cancel_run", workflow_id="sync", idempotency_key="b")
+            == "status: ok\ncancelled: 0"
+        )
+
+        # list_runs: newest first, one line per run, a cursor while there are more.
+        third = await tools.start(workflow_id="sync")
+        page = (await tools.ok("list_runs", workflow_id="sync", limit=2)).split("\n")
+        assert [line.split()[0] for line in page[:2]] == [third, by_key]
+        assert page[0].split()[1:] == ["sync", "running", "fetch", "-"]
+        assert page[1].split()[1:] == ["sync", "cancelled", "fetch", "b"]
+        assert page[2] == "cursor: 2"
+        rest = await tools.ok("list_runs", workflow_id="sync", limit=2, cursor="2")
+        assert [line.split()[0] for line in rest.split("\n")][:1] == [live]
+        only = await tools.ok("list_runs", workflow_id="sync", phase="cancelled")
+        assert {line.split()[0] for line in only.split("\n")} == {live, by_key}
+        keyed = await tools.ok("list_runs", workflow_id="sync", idempotency_key="a")
+        assert keyed.split()[0] == live
+
+
+async def test_refusals_are_text_replies(
+    connect: Callable[..., Any], start_redis: Callable[..., RedisServer]
+) -> None:
+    async with connect() as tools:
+        unknown = await tools.refused("start_run", workflow_id="nope")
+        assert unknown.startswith("status: error\nNOT_FOUND_WORKFLOW: Workflow 'nope'")
+        bad_params = await tools.refused("start_run", workflow_id="deploy", params={"repo": "x"})
+        assert bad_params.startswith("status: error\nVALIDATION_PARAMS: ")
+        bad_policy = await tools.refused("start_run", workflow_id="sync", on_live_match="maybe")
+        assert bad_policy.startswith("status: error\nVALIDATION_PARAMS: start_run: on_live_match")
+        missing = await tools.refused("get_run", run_id="6c48086c-cb0f-47ea-9c33-6279fe42ffdc")
+        assert missing.startswith("status: error\nNOT_FOUND_RUN: ")
+        neither = await tools.refused("cancel_run")
+        assert neither == (
+            "status: error\nVALIDATION_PARAMS: "
+            "give either run_id or both workflow_id and idempotency_key"
+        )
+
+    gone = start_redis()
+    url = gone.url
+    gone.stop()
+    async with connect(url) as tools:
+        down = await tools.refused("start_run", workflow_id="sync", idempotency_key="k")
+        assert down.startswith("status: error\nSTORE_UNAVAILABLE: ")
+
+
+async def test_an_unexpected_failure_is_an_internal_reply_without_details() -> None:
+    """In process (no Redis needed): a store that breaks in an unforeseen way."""
+
+    class Broken:
+        async def get_run(self, run_id: str) -> Any:
+            raise ValueError("redis://:hunter2@db:6379 said no")
+
+    @asynccontextmanager
+    async def broken_store() -> AsyncIterator[Any]:
+        yield Broken()
+
+    async with Client(build_server(broken_store)) as client:
+        result = await client.call_tool("get_run", {"run_id": "x"})
+    assert result.is_error
+    assert isinstance(result.content[0], TextContent)
+    assert result.content[0].text == (
+        "status: error\nINTERNAL: unexpected server error; see the server's log"
+    )
