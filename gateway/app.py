@@ -21,6 +21,7 @@ from gateway import metrics
 from gateway.api import api_routes
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
+from gateway.observe import setup_logging
 from gateway.openapi import openapi_document
 from gateway.store import RunStore
 from gateway.triggers import Trigger
@@ -129,6 +130,7 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 def app_from_env() -> Webhooks:
     """The app for uvicorn's worker processes, which get their settings by environment."""
+    setup_logging()
     config = load_config(os.environ.get("REALM_CONFIG", "triggers.yaml"))
     return create_app(
         config, os.environ["REALM_REDIS_URL"], api_token=os.environ.get("REALM_API_TOKEN") or None

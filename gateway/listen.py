@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import uvicorn
 
 from gateway.config import Config
 from gateway.connection import redis_target
+from gateway.observe import setup_logging
 from gateway.triggers import describe_event_id
 from gateway.verify import describe
 
@@ -31,7 +31,7 @@ def serve(
     data_dir: str,
 ) -> None:
     """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards."""
-    _setup_logging()
+    setup_logging()
     with (
         redis_target(redis_url, data_dir) as target,
         tempfile.TemporaryDirectory(prefix="realm-metrics-") as metrics_dir,
@@ -74,11 +74,3 @@ def serve(
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             server_header=False,
         )
-
-
-def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import logging
+import threading
 import time
 from typing import Any
 
@@ -18,10 +22,10 @@ def observe_delivery(path: str, reply: Reply, started: float) -> None:
     """Metrics, and one JSON log line per delivery. Never a header, a secret, a
     signature or the body."""
     seconds = time.perf_counter() - started
-    metrics.DELIVERIES.labels(path, str(reply.status)).inc()
-    metrics.LATENCY.labels(path).observe(seconds)
+    _deliveries(path, reply.status).inc()
+    _latency(path).observe(seconds)
     for r in reply.results:
-        metrics.OUTCOMES.labels(r.trigger, r.workflow, r.outcome).inc()
+        _outcomes(r.trigger, r.workflow, r.outcome).inc()
     record: dict[str, Any] = {
         "event": "delivery",
         "path": path,
@@ -47,3 +51,68 @@ def observe_delivery(path: str, reply: Reply, started: float) -> None:
                    for r in reply.results)  # fmt: skip
     level = logging.WARNING if mismatch or reply.status >= 500 else logging.INFO
     log.log(level, orjson.dumps(record).decode())
+
+
+# Labelled children, looked up once: the label sets are few (paths x statuses,
+# triggers x outcomes), and a lookup per delivery is measurable on the hot path.
+@functools.cache
+def _deliveries(path: str, status: int) -> Any:
+    return metrics.DELIVERIES.labels(path, str(status))
+
+
+@functools.cache
+def _latency(path: str) -> Any:
+    return metrics.LATENCY.labels(path)
+
+
+@functools.cache
+def _outcomes(trigger: str, workflow: str, outcome: str) -> Any:
+    return metrics.OUTCOMES.labels(trigger, workflow, outcome)
+
+
+class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record at once into a buffered stream and flushes it every
+    ``interval`` seconds (warnings and errors at once): a write syscall per
+    delivery costs more, under load, than the delivery's own logging."""
+
+    def __init__(self, stream: Any, interval: float = 0.2) -> None:
+        super().__init__(stream)
+        self._dirty = False
+        flusher = threading.Thread(target=self._flush_every, args=(interval,), daemon=True)
+        flusher.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + "\n")
+            if record.levelno >= logging.WARNING:
+                self.stream.flush()
+            else:
+                self._dirty = True
+        except Exception:
+            self.handleError(record)
+
+    def _flush_every(self, interval: float) -> None:
+        while True:
+            time.sleep(interval)
+            if self._dirty:
+                with self.lock or contextlib.nullcontext():
+                    self._dirty = False
+                    self.stream.flush()
+
+
+def buffered_stderr() -> Any:
+    """A text stream on fd 2 that is not line-buffered (sys.stderr always is)."""
+    raw = open(2, "wb", buffering=1 << 16, closefd=False)  # noqa: SIM115 - lives as long as the process
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", line_buffering=False)
+
+
+def setup_logging() -> None:
+    """Log lines as they are (the delivery lines are JSON already) to stderr, once per
+    process: ``realm listen`` calls it, and so does each worker process it spawns."""
+    root = logging.getLogger()
+    if any(isinstance(h, BatchedStreamHandler) for h in root.handlers):
+        return
+    handler = BatchedStreamHandler(buffered_stderr())
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)

@@ -164,7 +164,7 @@ def test_openapi_describes_every_route_the_app_serves(listener: Listener):
     app = create_app(parse_config(CONFIG, env={"HOOK_TOKEN": "x"}), "redis://unused")
     served = {
         (route.path, method.lower())
-        for route in app.routes
+        for route in app.app.routes
         for method in (route.methods or ()) - {"HEAD"}
     }
     described = {(path, method) for path, ops in document["paths"].items() for method in ops}
@@ -190,8 +190,10 @@ def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: 
                    env={"HOOK_TOKEN": "hook-secret"}).start()  # fmt: skip
     try:
         for i in range(20):
-            reply = httpx.post(two.base_url + "/hooks/plain", content=b"{}", timeout=10,
-                               headers={"X-Token": "hook-secret", "X-Event-Id": f"e{i % 5}"})  # fmt: skip
+            headers = {"X-Token": "hook-secret", "X-Event-Id": f"e{i % 5}"}
+            reply = httpx.post(
+                two.base_url + "/hooks/plain", content=b"{}", timeout=10, headers=headers
+            )
             assert reply.status_code in (200, 202)
         text = httpx.get(two.base_url + "/metrics", timeout=10).text
         assert 'realm_deliveries_total{path="/hooks/plain",status="202"} 5.0' in text
@@ -202,3 +204,6 @@ def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: 
         )
     finally:
         two.stop()
+    # Each worker process logs its deliveries too: one JSON line each.
+    lines = [line for line in two.log().splitlines() if '"event":"delivery"' in line]
+    assert len(lines) == 20
