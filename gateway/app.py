@@ -3,6 +3,7 @@ app for the admin API, health, metrics and OpenAPI; the lifespan owns Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import defaultdict
@@ -21,7 +22,7 @@ from gateway import metrics
 from gateway.api import api_routes
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
-from gateway.observe import setup_logging
+from gateway.observe import flush_logs, flush_logs_every, setup_logging
 from gateway.openapi import openapi_document
 from gateway.store import RunStore
 from gateway.triggers import Trigger
@@ -51,9 +52,12 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
             await store.load_scripts()
         except Exception as exc:
             log.warning("scripts not loaded at start-up (%s); will load on first use", exc)
+        flusher = asyncio.create_task(flush_logs_every())
         try:
             yield {"store": store}
         finally:
+            flusher.cancel()
+            flush_logs()
             await client.aclose()
 
     async def post_only(request: Request) -> Response:

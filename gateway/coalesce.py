@@ -5,6 +5,10 @@ Sent one by one, each pays redis-py's per-call cost (a pool checkout, a
 write, a read, a parse); sent together they share one checkout, one write and
 one read. Each call still runs as its own atomic script, and its reply or
 error reaches its own caller: nothing about the semantics changes.
+
+At most ``MAX_IN_FLIGHT`` pipelines are out at once; calls made meanwhile wait
+for the next one (as ioredis' auto-pipelining does). At low load nothing waits;
+under load the pipelines grow instead of multiplying, which is what saves work.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from redis.commands.core import AsyncScript
 
 # A pipeline longer than this is split: one huge write would delay every reply in it.
 MAX_PIPELINE = 256
+# Pipelines awaiting their replies at once: two keep the connection busy while the
+# previous replies are being parsed.
+MAX_IN_FLIGHT = 2
 
 Pending = tuple[AsyncScript, list[Any], list[Any], "asyncio.Future[Any]"]
 
@@ -27,25 +34,35 @@ class Coalescer:
         self.redis = redis
         self._pending: list[Pending] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduled = False
 
     async def call(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
         """EVALSHA ``script``; the reply, or the error Redis or the connection gave."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)
         self._pending.append((script, keys, args, future))
+        if not self._scheduled and len(self._tasks) < MAX_IN_FLIGHT:
+            # After this turn of the loop, so the calls made in it go together.
+            self._scheduled = True
+            loop.call_soon(self._flush)
         return await future
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for start in range(0, len(pending), MAX_PIPELINE):
-            task = asyncio.get_running_loop().create_task(
-                self._send(pending[start : start + MAX_PIPELINE])
-            )
-            # Keep a reference: the loop holds tasks only weakly.
+        self._scheduled = False
+        loop = asyncio.get_running_loop()
+        while self._pending and len(self._tasks) < MAX_IN_FLIGHT:
+            batch, self._pending = self._pending[:MAX_PIPELINE], self._pending[MAX_PIPELINE:]
+            task = loop.create_task(self._send(batch))
+            # The set keeps a reference (the loop holds tasks only weakly) and
+            # counts the pipelines in flight.
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def _send(self, batch: list[Pending]) -> None:
         try:

@@ -130,21 +130,27 @@ async def handle(
     #    store checks the params against params_schema before any Redis call.
     if claims:
         body_digest = hashlib.sha256(body).hexdigest()
-        outcomes = await asyncio.gather(
-            *(
-                store.start_run(
-                    trigger.workflow,
-                    extracted.params,
-                    extracted.key,
-                    trigger.on_live_match,
-                    trigger.on_terminal_match,
-                    trigger.on_params_mismatch,
-                    fingerprint=fingerprint_for(trigger, body_digest),
-                )
-                for _, trigger, extracted in claims
-            ),
-            return_exceptions=True,
-        )
+        starts = [
+            store.start_run(
+                trigger.workflow,
+                extracted.params,
+                extracted.key,
+                trigger.on_live_match,
+                trigger.on_terminal_match,
+                trigger.on_params_mismatch,
+                fingerprint=fingerprint_for(trigger, body_digest),
+            )
+            for _, trigger, extracted in claims
+        ]
+        outcomes: list[StartResult | BaseException]
+        if len(starts) == 1:
+            # The usual case: no task to create and gather.
+            try:
+                outcomes = [await starts[0]]
+            except RealmError as exc:
+                outcomes = [exc]
+        else:
+            outcomes = await asyncio.gather(*starts, return_exceptions=True)
         for (result, _, _), outcome in zip(claims, outcomes, strict=True):
             if isinstance(outcome, StoreUnavailable):
                 # Some claims may have been stored: the sender's retry deduplicates them.

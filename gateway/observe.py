@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import functools
 import io
 import logging
-import threading
 import time
 from typing import Any
 
@@ -71,33 +70,30 @@ def _outcomes(trigger: str, workflow: str, outcome: str) -> Any:
 
 
 class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes each record at once into a buffered stream and flushes it every
-    ``interval`` seconds (warnings and errors at once): a write syscall per
-    delivery costs more, under load, than the delivery's own logging."""
-
-    def __init__(self, stream: Any, interval: float = 0.2) -> None:
-        super().__init__(stream)
-        self._dirty = False
-        flusher = threading.Thread(target=self._flush_every, args=(interval,), daemon=True)
-        flusher.start()
+    """Writes each record into a buffered stream at once; the stream reaches the file
+    when its buffer fills, when ``flush_logs`` runs (the app does, every 0.2 s) and
+    at once for warnings and errors. A write syscall per delivery costs more, under
+    load, than the delivery's own logging."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.stream.write(self.format(record) + "\n")
             if record.levelno >= logging.WARNING:
                 self.stream.flush()
-            else:
-                self._dirty = True
         except Exception:
             self.handleError(record)
 
-    def _flush_every(self, interval: float) -> None:
-        while True:
-            time.sleep(interval)
-            if self._dirty:
-                with self.lock or contextlib.nullcontext():
-                    self._dirty = False
-                    self.stream.flush()
+
+def flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
+async def flush_logs_every(interval: float = 0.2) -> None:
+    """Runs for the life of the app, on its event loop (no thread to share the GIL with)."""
+    while True:
+        await asyncio.sleep(interval)
+        flush_logs()
 
 
 def buffered_stderr() -> Any:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -184,7 +183,7 @@ class RunStore:
             idempotency_key or "",
             params_json,
             fingerprint or fingerprint_of(params_json),
-            orjson.dumps(list(wf.steps)),
+            wf.steps_json,
             on_live_match,
             on_terminal_match,
             on_params_mismatch,
@@ -252,7 +251,7 @@ class RunStore:
                 to_send.append(i)
         outcomes: dict[int, StartResult | RealmError] = {}
         keys = self.keys(workflow)
-        common = [workflow, orjson.dumps(list(wf.steps)), on_live_match, on_terminal_match,
+        common = [workflow, wf.steps_json, on_live_match, on_terminal_match,
                   on_params_mismatch, wf.retention_ms]  # fmt: skip
         async with self._deadline():
             for start in range(0, len(to_send), BATCH_CHUNK):
@@ -494,16 +493,9 @@ class RunStore:
     def _key_keys(keys: Keys, run: Run) -> list[str]:
         return [] if not run.key else [keys.pointer(run.key), keys.key_runs(run.key)]
 
-    @asynccontextmanager
-    async def _deadline(self) -> AsyncIterator[None]:
+    def _deadline(self) -> _Deadline:
         """One bound on a whole operation: never a hang, whatever Redis does."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                yield
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"Redis did not answer within {self.timeout:g} s; the outcome is unknown, retry"
-            ) from None
+        return _Deadline(self.timeout)
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run one Redis call; on a dropped connection try once more on a fresh one.
@@ -524,6 +516,28 @@ class RunStore:
                     raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
                 raise
         raise AssertionError("unreachable")
+
+
+class _Deadline:
+    """``asyncio.timeout`` that ends in ``StoreUnavailable``. A class, not a generator
+    context manager: it is entered once per delivery, on the hot path."""
+
+    __slots__ = ("_timeout", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def __aenter__(self) -> None:
+        self._timeout = asyncio.timeout(self.seconds)
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        try:
+            await self._timeout.__aexit__(*exc_info)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"Redis did not answer within {self.seconds:g} s; the outcome is unknown, retry"
+            ) from None
 
 
 def _start_result(
