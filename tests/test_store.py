@@ -11,6 +11,8 @@ from redis.asyncio import Redis
 from gateway.config import Config
 from gateway.errors import RealmError
 from gateway.keys import Keys
+from gateway.reconcile import reconcile
+from gateway.scripts import SCRIPT_NAMES
 from gateway.store import RunStore
 
 KEYS = Keys("realm", "sync")
@@ -410,7 +412,7 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     from redis.crc import key_slot
 
     seen: list[tuple[str, list[str]]] = []
-    for name in ("start_run", "complete_step", "end_run", "cancel_key"):
+    for name in SCRIPT_NAMES:
         script = getattr(store.scripts, name)
         original = script.__call__
 
@@ -429,8 +431,13 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     await store.fail_run(b.run_id)
     await store.cancel_run(a.run_id)
     await store.cancel_key("sync", "k")
+    await store.start_run_batch("sync", [{"idempotency_key": "k"}, {"idempotency_key": "j"}, {}],
+                                on_live_match="cancel_existing")  # fmt: skip
+    await store.start_run_batch("sync", [{"idempotency_key": "k"}], on_live_match="cancel_existing")
+    await redis.delete(KEYS.pointer("j"))
+    await reconcile(store, dry_run=False)
 
-    assert {name for name, _ in seen} == {"start_run", "complete_step", "end_run", "cancel_key"}
+    assert {name for name, _ in seen} == set(SCRIPT_NAMES)
     for name, keys in seen:
         slots = {key_slot(k.encode()) for k in keys}
         assert len(slots) == 1, (name, keys)
