@@ -21,7 +21,8 @@ from gateway.config import Config, load_config
 from gateway.connection import DEFAULT_DATA_DIR, redis_client, redis_target
 from gateway.embedded import ServerNotFound
 from gateway.errors import ConfigError, RealmError, StoreUnavailable
-from gateway.store import LIVE_MATCH, PHASES, TERMINAL_MATCH, Run, RunStore
+from gateway.runs import LIVE_MATCH, PHASES, TERMINAL_MATCH, Run
+from gateway.store import RunStore
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2

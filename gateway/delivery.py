@@ -16,7 +16,8 @@ from typing import Any
 from gateway import replies
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, ExtractError, HeaderLookup, parse_body
-from gateway.store import RunStore, StartResult
+from gateway.runs import StartResult
+from gateway.store import RunStore
 from gateway.triggers import Trigger
 from gateway.verify import VerifySpec, verify
 

@@ -12,7 +12,8 @@ from starlette.datastructures import Headers
 from gateway.delivery import fingerprint_for
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, parse_body
-from gateway.store import RunStore, canonical_params, fingerprint_of
+from gateway.runs import canonical_params, fingerprint_of
+from gateway.store import RunStore
 from gateway.triggers import Trigger
 from gateway.verify import sign as sign_body
 from gateway.verify import verify

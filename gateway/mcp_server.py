@@ -27,7 +27,8 @@ from gateway import replies
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
 from gateway.errors import ConfigError, RealmError
-from gateway.store import MAX_BATCH_ITEMS, RunStore
+from gateway.runs import MAX_BATCH_ITEMS
+from gateway.store import RunStore
 
 log = logging.getLogger("realm.mcp")
 

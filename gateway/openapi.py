@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway import __version__
 from gateway.api import API_ROUTES
-from gateway.store import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH
+from gateway.runs import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH
 
 _ERROR = {
     "type": "object",

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import RealmError
-from gateway.store import BatchEntry, Run, StartResult, StepResult
+from gateway.runs import BatchEntry, Run, StartResult, StepResult
 
 
 def start_sentence(result: StartResult) -> str:

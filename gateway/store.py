@@ -9,117 +9,45 @@ retries, which deduplicates).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar
+from dataclasses import replace
+from typing import Any, TypeVar
 
-import orjson
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from gateway.coalesce import Coalescer
-from gateway.config import Config, Workflow
+from gateway.config import Config
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.keys import Keys
 from gateway.policy import Decision, KeyState, decide
+from gateway.runs import (
+    MAX_BATCH_ITEMS,
+    PHASES,
+    BatchEntry,
+    LiveMatch,
+    ParamsMismatch,
+    Run,
+    StartResult,
+    StepResult,
+    TerminalMatch,
+    check_key,
+    check_policies,
+    check_run_id,
+    encode_params,
+    fingerprint_of,
+    prepare_items,
+    run_from_hash,
+    text_of,
+)
 from gateway.scripts import Scripts
 
-LiveMatch = Literal["use_existing", "fail", "cancel_existing"]
-TerminalMatch = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
-ParamsMismatch = Literal["flag", "reject"]
-Phase = Literal["running", "completed", "failed", "cancelled"]
-
-LIVE_MATCH: tuple[str, ...] = ("use_existing", "fail", "cancel_existing")
-TERMINAL_MATCH: tuple[str, ...] = ("reuse", "reject", "rerun_if_failed", "rerun")
-PARAMS_MISMATCH: tuple[str, ...] = ("flag", "reject")
-PHASES: tuple[str, ...] = ("running", "completed", "failed", "cancelled")
-MAX_KEY_BYTES = 1024
-MAX_BATCH_ITEMS = 10_000
 # Items per script call: one call blocks Redis while it runs, so keep each short.
 BATCH_CHUNK = 1_000
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StartResult:
-    """What a start decided. ``deduped`` is False exactly when this call started ``run_id``."""
-
-    run_id: str
-    workflow: str
-    deduped: bool
-    phase: str
-    next_step: str | None
-    rerun_of: str | None = None
-    params_mismatch: bool = False
-    # Which setting made this start supersede ``rerun_of``: on_live_match or on_terminal_match.
-    superseded_by: str | None = None
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    """One item's outcome in a batch start: a result, or the refusal for that item."""
-
-    index: int
-    idempotency_key: str | None
-    result: StartResult | None = None
-    error: RealmError | None = None
-
-
-@dataclass(frozen=True)
-class Run:
-    id: str
-    workflow: str
-    key: str | None
-    phase: str
-    step: str | None
-    steps: tuple[str, ...]
-    params: Mapping[str, Any]
-    created_ms: int
-    updated_ms: int
-    ended_ms: int | None
-    rerun_of: str | None
-    error: str | None
-
-    @property
-    def next_step(self) -> str | None:
-        """The step a runner should do next; None once the run has ended."""
-        return self.step if self.phase == "running" else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "run_id": self.id,
-            "workflow": self.workflow,
-            "idempotency_key": self.key,
-            "phase": self.phase,
-            "next_step": self.next_step,
-            "steps": list(self.steps),
-            "params": dict(self.params),
-            "created_ms": self.created_ms,
-            "updated_ms": self.updated_ms,
-            "ended_ms": self.ended_ms,
-            "rerun_of": self.rerun_of,
-            "error": self.error,
-        }
-
-
-@dataclass(frozen=True)
-class StepResult:
-    run_id: str
-    phase: str
-    next_step: str | None
-
-
-def canonical_params(params: Mapping[str, Any]) -> bytes:
-    """Params as stored and compared: JSON with sorted keys, no whitespace."""
-    return orjson.dumps(params, option=orjson.OPT_SORT_KEYS)
-
-
-def fingerprint_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class RunStore:
@@ -167,11 +95,11 @@ class RunStore:
         """
         wf = self.config.workflow(workflow)
         params = {} if params is None else params
-        _check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        check_policies(on_live_match, on_terminal_match, on_params_mismatch)
         wf.check_params(params)
-        params_json = _params_json(params)
+        params_json = encode_params(params)
         if idempotency_key is not None:
-            _check_key(idempotency_key)
+            check_key(idempotency_key)
         new_id = run_id or str(uuid.uuid4())
         keys = self.keys(workflow)
         script_keys = [keys.run(new_id), keys.runs(), keys.stream()]
@@ -193,19 +121,19 @@ class RunStore:
             reply = await self._retrying(
                 lambda: self._run_script(self.scripts.start_run, script_keys, argv)
             )
-            if _text(reply[0]) == "need_old":
+            if text_of(reply[0]) == "need_old":
                 # cancel_existing must end the live run in the same script, and keys
                 # are never built inside Lua: name that run's key and call again.
                 # The script re-checks that the key still points at it; if another
                 # start moved the key meanwhile, go again (the deadline bounds it).
                 while True:
-                    old_id = _text(reply[1])
+                    old_id = text_of(reply[1])
                     reply = await self._retrying(
                         lambda old_id=old_id: self._run_script(
                             self.scripts.start_run, [*script_keys, keys.run(old_id)], argv
                         )
                     )
-                    if _text(reply[0]) != "need_old":
+                    if text_of(reply[0]) != "need_old":
                         break
         return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
 
@@ -226,14 +154,14 @@ class RunStore:
         round trip per item.
         """
         wf = self.config.workflow(workflow)
-        _check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        check_policies(on_live_match, on_terminal_match, on_params_mismatch)
         if not isinstance(items, Sequence) or isinstance(items, str | bytes):
             raise RealmError("VALIDATION_BATCH_ITEMS", "items must be a list")
         if not 1 <= len(items) <= MAX_BATCH_ITEMS:
             raise RealmError(
                 "VALIDATION_BATCH_ITEMS", f"a batch holds 1 to {MAX_BATCH_ITEMS} items"
             )
-        prepared, failures = _prepare_items(wf, items)
+        prepared, failures = prepare_items(wf, items)
         if failures:
             raise RealmError(
                 "VALIDATION_BATCH_ITEMS",
@@ -273,11 +201,11 @@ class RunStore:
                     reply = await self._retrying(
                         lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
                     )
-                    if _text(reply[0]) != "need_old":
+                    if text_of(reply[0]) != "need_old":
                         break
                     # Nothing was written: name the live runs to end, and go again.
                     for n in range(1, len(reply), 2):
-                        old[chunk[int(reply[n]) - 1]] = _text(reply[n + 1])
+                        old[chunk[int(reply[n]) - 1]] = text_of(reply[n + 1])
                 for n, i in enumerate(chunk):
                     group = reply[6 * n : 6 * n + 6]
                     try:
@@ -322,7 +250,7 @@ class RunStore:
             run, phase, fp = await self._retrying(
                 lambda: self.redis.hmget(pointer, ["run", "phase", "fp"])
             )
-        state = None if run is None else KeyState(_text(run), _text(phase), _text(fp))
+        state = None if run is None else KeyState(text_of(run), text_of(phase), text_of(fp))
         return (
             decide(state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint),
             state,
@@ -332,7 +260,7 @@ class RunStore:
 
     async def get_run(self, run_id: str, workflow: str | None = None) -> Run:
         """The run with this id; ``NOT_FOUND_RUN`` if no workflow has it."""
-        _check_run_id(run_id)
+        check_run_id(run_id)
         names = [workflow] if workflow else list(self.config.workflows)
         if workflow:
             self.config.workflow(workflow)
@@ -341,7 +269,7 @@ class RunStore:
             found = await self._retrying(lambda: self._hgetall_many(run_keys))
         for data in found:
             if data:
-                return _run_from_hash(data)
+                return run_from_hash(data)
         raise RealmError("NOT_FOUND_RUN", f"No run '{run_id}' (it never existed or has expired).")
 
     async def list_runs(
@@ -379,15 +307,15 @@ class RunStore:
                 if not batch:
                     position = -1
                     break
-                run_keys = [keys.run(_text(run_id)) for run_id in batch]
+                run_keys = [keys.run(text_of(run_id)) for run_id in batch]
                 records = await self._retrying(
                     lambda run_keys=run_keys: self._hgetall_many(run_keys)
                 )
                 scanned += len(batch)
                 for record in records:
                     position += 1
-                    if record and (phase is None or _text(record[b"phase"]) == phase):
-                        runs.append(_run_from_hash(record))
+                    if record and (phase is None or text_of(record[b"phase"]) == phase):
+                        runs.append(run_from_hash(record))
                         if len(runs) == limit:
                             break
         return runs, (None if position < 0 else str(position))
@@ -404,7 +332,7 @@ class RunStore:
             reply = await self._retrying(
                 lambda: self.scripts.complete_step(script_keys, [run_id, step, wf.retention_ms])
             )
-        outcome, phase, current = (_text(x) for x in reply)
+        outcome, phase, current = (text_of(x) for x in reply)
         if outcome == "not_found":
             raise _run_not_found(run_id)
         if outcome == "not_live":
@@ -431,7 +359,7 @@ class RunStore:
     async def cancel_key(self, workflow: str, key: str) -> int:
         """Cancel the live run that ``key`` points at: 1, or 0 when there is none."""
         self.config.workflow(workflow)
-        _check_key(key)
+        check_key(key)
         wf = self.config.workflows[workflow]
         keys = self.keys(workflow)
         pointer = keys.pointer(key)
@@ -440,14 +368,14 @@ class RunStore:
                 run_id = await self._retrying(lambda: self.redis.hget(pointer, "run"))
                 if run_id is None:
                     return 0
-                expected = _text(run_id)
+                expected = text_of(run_id)
                 reply = await self._retrying(
                     lambda expected=expected: self.scripts.cancel_key(
                         [pointer, keys.key_runs(key), keys.run(expected)],
                         [expected, wf.retention_ms],
                     )
                 )
-                outcome = _text(reply[0])
+                outcome = text_of(reply[0])
                 if outcome != "moved":
                     return 1 if outcome == "cancelled" else 0
 
@@ -472,7 +400,7 @@ class RunStore:
             reply = await self._retrying(
                 lambda: self.scripts.end_run(script_keys, [run_id, phase, wf.retention_ms, error])
             )
-        outcome, final = _text(reply[0]), _text(reply[1])
+        outcome, final = text_of(reply[0]), text_of(reply[1])
         if outcome == "not_found":
             raise _run_not_found(run_id)
         return outcome, final
@@ -547,7 +475,7 @@ def _start_result(
     on_terminal_match: str,
     reply: list[Any],
 ) -> StartResult:
-    outcome, run_id, phase, step, rerun_of, mismatch = (_text(x) for x in reply)
+    outcome, run_id, phase, step, rerun_of, mismatch = (text_of(x) for x in reply)
     if outcome == "created":
         superseded_by = None
         if rerun_of:
@@ -594,98 +522,6 @@ def _start_result(
     raise StoreUnavailable(f"unexpected reply from start_run for key {key!r}: {outcome}")
 
 
-def _run_from_hash(data: Mapping[bytes, bytes]) -> Run:
-    f = {_text(k): _text(v) for k, v in data.items()}
-    ended = f.get("ended_ms")
-    return Run(
-        id=f["id"],
-        workflow=f["workflow"],
-        key=f.get("key") or None,
-        phase=f["phase"],
-        step=f.get("step") or None,
-        steps=tuple(orjson.loads(f.get("steps", "[]"))),
-        params=orjson.loads(f.get("params", "{}")),
-        created_ms=int(f.get("created_ms", 0)),
-        updated_ms=int(f.get("updated_ms", 0)),
-        ended_ms=int(ended) if ended else None,
-        rerun_of=f.get("rerun_of") or None,
-        error=f.get("error") or None,
-    )
-
-
-def _prepare_items(
-    wf: Workflow, items: Sequence[Any]
-) -> tuple[list[tuple[str | None, bytes, str]], list[tuple[int, str]]]:
-    """Each item as (key, params JSON, fingerprint), and every item that fails, why."""
-    prepared: list[tuple[str | None, bytes, str]] = []
-    failures: list[tuple[int, str]] = []
-    for i, item in enumerate(items):
-        if not isinstance(item, Mapping):
-            failures.append((i, "must be an object with 'params' and 'idempotency_key'"))
-            continue
-        unknown = sorted(set(item) - {"params", "idempotency_key"})
-        params = item.get("params", {})
-        key = item.get("idempotency_key")
-        reasons: list[str] = []
-        if unknown:
-            reasons.append(f"unknown field(s) {unknown}")
-        if key is not None and (
-            not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES
-        ):
-            reasons.append(f"idempotency_key must be a non-empty string of at most "
-                           f"{MAX_KEY_BYTES} bytes")  # fmt: skip
-        if not isinstance(params, Mapping):
-            reasons.append("params must be a JSON object")
-        else:
-            reasons += wf.params_errors(params)
-        if reasons:
-            failures.append((i, "; ".join(reasons)))
-            continue
-        try:
-            params_json = canonical_params(params)
-        except TypeError as exc:
-            failures.append((i, f"params must be JSON: {exc}"))
-            continue
-        prepared.append((key, params_json, fingerprint_of(params_json)))
-    return prepared, failures
-
-
-def _params_json(params: Mapping[str, Any]) -> bytes:
-    if not isinstance(params, Mapping):
-        raise RealmError("VALIDATION_PARAMS", "params must be a JSON object")
-    try:
-        return canonical_params(params)
-    except TypeError as exc:
-        raise RealmError("VALIDATION_PARAMS", f"params must be JSON: {exc}") from None
-
-
-def _check_policies(live: str, terminal: str, mismatch: str) -> None:
-    for name, value, allowed in (
-        ("on_live_match", live, LIVE_MATCH),
-        ("on_terminal_match", terminal, TERMINAL_MATCH),
-        ("on_params_mismatch", mismatch, PARAMS_MISMATCH),
-    ):
-        if value not in allowed:
-            raise RealmError(
-                "VALIDATION_PARAMS", f"{name} must be one of {', '.join(allowed)} (got {value!r})"
-            )
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
-        raise RealmError(
-            "VALIDATION_PARAMS",
-            f"idempotency_key must be a non-empty string of at most {MAX_KEY_BYTES} bytes",
-        )
-
-
-def _check_run_id(run_id: str) -> None:
-    try:
-        uuid.UUID(run_id)
-    except (ValueError, TypeError, AttributeError):
-        raise RealmError("NOT_FOUND_RUN", f"No run '{run_id}': run ids are UUIDs.") from None
-
-
 def _parse_cursor(cursor: str | None) -> int:
     if cursor is None:
         return 0
@@ -703,10 +539,6 @@ def _not_live(run_id: str, phase: str) -> RealmError:
         "STATE_RUN_NOT_LIVE",
         f"Run '{run_id}' is not live (phase '{phase}'); the result was discarded.",
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _describe(exc: BaseException) -> str:

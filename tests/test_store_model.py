@@ -18,7 +18,8 @@ from gateway.connection import redis_client
 from gateway.errors import RealmError
 from gateway.keys import Keys
 from gateway.policy import KeyState, decide
-from gateway.store import LIVE_MATCH, TERMINAL_MATCH, RunStore, fingerprint_of
+from gateway.runs import LIVE_MATCH, TERMINAL_MATCH, fingerprint_of
+from gateway.store import RunStore
 from tests.conftest import WORKFLOWS_YAML
 
 T = TypeVar("T")
