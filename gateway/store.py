@@ -437,10 +437,23 @@ class RunStore:
             except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
                 if attempt == 2:
                     raise StoreUnavailable(f"Redis is unreachable: {_describe(exc)}") from None
-            except redis_errors.BusyLoadingError:
-                raise StoreUnavailable("Redis is loading its data; retry shortly") from None
+            except redis_errors.NoScriptError:
+                # The script cache was lost again between a reload and its resend:
+                # the call did not run, so going again is safe.
+                if attempt == 2:
+                    raise StoreUnavailable("Redis keeps losing its scripts; retry") from None
+            except (
+                redis_errors.OutOfMemoryError,
+                redis_errors.ReadOnlyError,
+                redis_errors.MasterDownError,
+            ) as exc:
+                # Refused before the script ran (scripts declare themselves writers, so
+                # Redis checks first): nothing was written, and a retry later may pass.
+                raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
             except redis_errors.ResponseError as exc:
-                if str(exc).startswith(("OOM", "MISCONF", "READONLY", "LOADING", "MASTERDOWN")):
+                # redis-py maps the codes above to their own classes; MISCONF (a failed
+                # save) it leaves as a plain ResponseError.
+                if str(exc).startswith(("MISCONF", "LOADING")):
                     raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
                 raise
         raise AssertionError("unreachable")

@@ -10,6 +10,7 @@ reply. The Starlette app still owns the lifespan (the store reaches here in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from gateway import delivery
 from gateway.config import Settings
 from gateway.observe import observe_delivery
 from gateway.triggers import Trigger
+
+log = logging.getLogger("realm")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -88,6 +91,13 @@ class Webhooks:
                         scope["state"]["store"], triggers, headers,
                         headers.get("content-type"), body,
                     )  # fmt: skip
+                except Exception as exc:
+                    # The type only: an exception's text may quote the delivery.
+                    log.error('{"event":"error","path":"%s","error":"%s"}', scope["path"],
+                              type(exc).__name__)  # fmt: skip
+                    reply = delivery.error_reply(
+                        500, "INTERNAL", "unexpected error; the gateway log has its type"
+                    )
                 finally:
                     self.in_flight -= 1
         observe_delivery(scope["path"], reply, started)
