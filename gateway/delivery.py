@@ -84,7 +84,11 @@ async def handle(
     headers: HeaderLookup,
     content_type: str | None,
     body: bytes,
+    *,
+    bounded: bool = True,
 ) -> Reply:
+    """The reply to one delivery. ``bounded=False``: the caller bounds the whole
+    call with its own timer, so the store's per-claim deadline is skipped."""
     # 1. Verify: nothing unverified touches Redis. Triggers of one path usually
     #    share one scheme; each distinct spec is checked once.
     now = time.time()
@@ -140,6 +144,7 @@ async def handle(
                 trigger.on_terminal_match,
                 trigger.on_params_mismatch,
                 fingerprint=fingerprint_for(trigger, body_digest),
+                bounded=bounded,
             )
             for _, trigger, extracted in claims
         ]

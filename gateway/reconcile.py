@@ -110,10 +110,12 @@ async def reconcile(
         prefix = keys.key_runs("")
         cursor = 0
         while True:
-            cursor, found = await store.redis.scan(cursor, match=f"{prefix}*", count=SCAN_COUNT)
-            if found:
-                groups = [g.decode() for g in found]
-                await _check_groups(store, name, groups, prefix, report)
+            # One deadline per batch: the walk may take minutes, a batch never should.
+            async with store.deadline():
+                cursor, found = await store.redis.scan(cursor, match=f"{prefix}*", count=SCAN_COUNT)
+                if found:
+                    groups = [g.decode() for g in found]
+                    await _check_groups(store, name, groups, prefix, report)
                 if progress:
                     progress(report.groups, report.runs)
             if cursor == 0:
@@ -124,7 +126,7 @@ async def reconcile(
 async def count_runs(store: RunStore, workflow: str | None = None) -> int:
     """Runs in the indexes (expired ones included): the length of a progress bar."""
     names = [workflow] if workflow else sorted(store.config.workflows)
-    async with store.redis.pipeline(transaction=False) as pipe:
+    async with store.deadline(), store.redis.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.zcard(store.keys(name).runs())
         return sum(await pipe.execute())

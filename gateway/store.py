@@ -68,7 +68,7 @@ class RunStore:
         self.prefix = config.settings.key_prefix
         self.timeout = config.settings.redis_timeout if timeout is None else timeout
         self.scripts = Scripts(redis)
-        self._coalescer = Coalescer(redis) if coalesce else None
+        self._coalescer = Coalescer(redis, self.timeout) if coalesce else None
 
     def keys(self, workflow: str) -> Keys:
         return Keys(self.prefix, workflow)
@@ -86,12 +86,15 @@ class RunStore:
         *,
         fingerprint: str | None = None,
         run_id: str | None = None,
+        bounded: bool = True,
     ) -> StartResult:
         """Start a run, or return the run that owns ``idempotency_key`` (DESIGN §3).
 
         ``fingerprint`` is what a repeat is compared with to flag a params
         mismatch; by default the digest of the canonical params. ``run_id`` is
         for callers that must choose the id themselves; by default a new UUID.
+        ``bounded=False`` skips the store's deadline, for a caller that bounds the
+        call with a timer of its own (the webhook path, one timer per delivery).
         """
         wf = self.config.workflow(workflow)
         params = {} if params is None else params
@@ -117,7 +120,7 @@ class RunStore:
             on_params_mismatch,
             wf.retention_ms,
         ]
-        async with self._deadline():
+        async with self.deadline() if bounded else _UNBOUNDED:
             reply = await self._retrying(
                 lambda: self._run_script(self.scripts.start_run, script_keys, argv)
             )
@@ -181,7 +184,7 @@ class RunStore:
         keys = self.keys(workflow)
         common = [workflow, wf.steps_json, on_live_match, on_terminal_match,
                   on_params_mismatch, wf.retention_ms]  # fmt: skip
-        async with self._deadline():
+        async with self.deadline():
             for start in range(0, len(to_send), BATCH_CHUNK):
                 chunk = to_send[start : start + BATCH_CHUNK]
                 ids = {i: str(uuid.uuid4()) for i in chunk}
@@ -246,7 +249,7 @@ class RunStore:
         if idempotency_key is None:
             return "start", None
         pointer = self.keys(workflow).pointer(idempotency_key)
-        async with self._deadline():
+        async with self.deadline():
             run, phase, fp = await self._retrying(
                 lambda: self.redis.hmget(pointer, ["run", "phase", "fp"])
             )
@@ -265,7 +268,7 @@ class RunStore:
         if workflow:
             self.config.workflow(workflow)
         run_keys = [self.keys(name).run(run_id) for name in names]
-        async with self._deadline():
+        async with self.deadline():
             found = await self._retrying(lambda: self._hgetall_many(run_keys))
         for data in found:
             if data:
@@ -297,7 +300,7 @@ class RunStore:
         position = _parse_cursor(cursor)
         runs: list[Run] = []
         scanned = 0
-        async with self._deadline():
+        async with self.deadline():
             # Bounded work per call: a phase filter over a large store returns a
             # short page and a cursor rather than walking everything at once.
             while len(runs) < limit and scanned < 20 * limit + 1000:
@@ -328,7 +331,7 @@ class RunStore:
         wf = self.config.workflow(run.workflow)
         keys = self.keys(run.workflow)
         script_keys = [keys.run(run_id), keys.stream(), *self._key_keys(keys, run)]
-        async with self._deadline():
+        async with self.deadline():
             reply = await self._retrying(
                 lambda: self.scripts.complete_step(script_keys, [run_id, step, wf.retention_ms])
             )
@@ -363,7 +366,7 @@ class RunStore:
         wf = self.config.workflows[workflow]
         keys = self.keys(workflow)
         pointer = keys.pointer(key)
-        async with self._deadline():
+        async with self.deadline():
             while True:  # until the key stays put between read and script
                 run_id = await self._retrying(lambda: self.redis.hget(pointer, "run"))
                 if run_id is None:
@@ -380,12 +383,12 @@ class RunStore:
                     return 1 if outcome == "cancelled" else 0
 
     async def ping(self) -> None:
-        async with self._deadline():
+        async with self.deadline():
             await self._retrying(self.redis.ping)
 
     async def load_scripts(self) -> None:
         """Load every script now, so a broken script or server fails at start-up."""
-        async with self._deadline():
+        async with self.deadline():
             for script in self.scripts.all():
                 await self._retrying(lambda script=script: self.redis.script_load(script.script))
 
@@ -396,7 +399,7 @@ class RunStore:
         wf = self.config.workflow(run.workflow)
         keys = self.keys(run.workflow)
         script_keys = [keys.run(run_id), *self._key_keys(keys, run)]
-        async with self._deadline():
+        async with self.deadline():
             reply = await self._retrying(
                 lambda: self.scripts.end_run(script_keys, [run_id, phase, wf.retention_ms, error])
             )
@@ -421,8 +424,9 @@ class RunStore:
     def _key_keys(keys: Keys, run: Run) -> list[str]:
         return [] if not run.key else [keys.pointer(run.key), keys.key_runs(run.key)]
 
-    def _deadline(self) -> _Deadline:
-        """One bound on a whole operation: never a hang, whatever Redis does."""
+    def deadline(self) -> _Deadline:
+        """One bound on a whole operation: never a hang, whatever Redis does.
+        (``async with store.deadline():`` raises StoreUnavailable when it passes.)"""
         return _Deadline(self.timeout)
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
@@ -457,6 +461,17 @@ class RunStore:
                     raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
                 raise
         raise AssertionError("unreachable")
+
+
+class _Unbounded:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        return None
+
+
+_UNBOUNDED = _Unbounded()
 
 
 class _Deadline:

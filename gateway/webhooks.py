@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 
 from gateway import delivery
 from gateway.config import Settings
-from gateway.observe import observe_delivery
+from gateway.observe import DeliveryLog
 from gateway.triggers import Trigger
 
 log = logging.getLogger("realm")
@@ -38,9 +38,14 @@ class ClientGone(Exception):
 
 class Webhooks:
     def __init__(
-        self, app: Starlette, by_path: Mapping[str, Sequence[Trigger]], settings: Settings
+        self,
+        app: Starlette,
+        by_path: Mapping[str, Sequence[Trigger]],
+        settings: Settings,
+        delivery_log: DeliveryLog,
     ) -> None:
         self.app = app  # everything that is not a webhook POST
+        self.delivery_log = delivery_log
         self.by_path = by_path
         self.settings = settings
         # Deliveries past their body read and not yet answered, in this worker. Past
@@ -62,45 +67,40 @@ class Webhooks:
         started = time.perf_counter()
         settings = self.settings
         headers = Headers(scope=scope)
+        claiming = False
         try:
-            async with asyncio.timeout(settings.body_timeout):
+            # One timer per delivery: first for the body, then for the claims.
+            async with asyncio.timeout(settings.body_timeout) as deadline:
                 body = await _read_body(headers, receive, settings.max_body_bytes)
+                if body is None:
+                    reply = delivery.error_reply(
+                        413, "VALIDATION_BODY_TOO_LARGE",
+                        f"body is larger than {settings.max_body_bytes} bytes",
+                    )  # fmt: skip
+                elif self.in_flight >= settings.max_in_flight:
+                    reply = delivery.error_reply(
+                        503, "OVERLOADED",
+                        f"more than {settings.max_in_flight} deliveries in flight; retry",
+                        **{"Retry-After": "1"},
+                    )  # fmt: skip
+                else:
+                    claiming = True
+                    deadline.reschedule(asyncio.get_running_loop().time() + settings.redis_timeout)
+                    reply = await self._handle(scope, headers, body, triggers)
         except ClientGone:
             return
         except TimeoutError:
-            reply = delivery.error_reply(
-                408, "VALIDATION_BODY_TIMEOUT",
-                f"the body did not arrive within {settings.body_timeout:g} s",
-            )  # fmt: skip
-        else:
-            if body is None:
-                reply = delivery.error_reply(
-                    413, "VALIDATION_BODY_TOO_LARGE",
-                    f"body is larger than {settings.max_body_bytes} bytes",
-                )  # fmt: skip
-            elif self.in_flight >= settings.max_in_flight:
-                reply = delivery.error_reply(
-                    503, "OVERLOADED",
-                    f"more than {settings.max_in_flight} deliveries in flight; retry",
-                    **{"Retry-After": "1"},
-                )  # fmt: skip
+            if claiming:
+                reply = delivery.unavailable_reply(
+                    f"Redis did not answer within {settings.redis_timeout:g} s; "
+                    "the outcome is unknown, retry"
+                )
             else:
-                self.in_flight += 1
-                try:
-                    reply = await delivery.handle(
-                        scope["state"]["store"], triggers, headers,
-                        headers.get("content-type"), body,
-                    )  # fmt: skip
-                except Exception as exc:
-                    # The type only: an exception's text may quote the delivery.
-                    log.error('{"event":"error","path":"%s","error":"%s"}', scope["path"],
-                              type(exc).__name__)  # fmt: skip
-                    reply = delivery.error_reply(
-                        500, "INTERNAL", "unexpected error; the gateway log has its type"
-                    )
-                finally:
-                    self.in_flight -= 1
-        observe_delivery(scope["path"], reply, started)
+                reply = delivery.error_reply(
+                    408, "VALIDATION_BODY_TIMEOUT",
+                    f"the body did not arrive within {settings.body_timeout:g} s",
+                )  # fmt: skip
+        self.delivery_log.observe(scope["path"], reply, started)
         payload = orjson.dumps(reply.body)
         raw_headers = [
             (b"content-type", b"application/json"),
@@ -109,6 +109,26 @@ class Webhooks:
         ]
         await send({"type": "http.response.start", "status": reply.status, "headers": raw_headers})
         await send({"type": "http.response.body", "body": payload})
+
+    async def _handle(
+        self, scope: Scope, headers: Headers, body: bytes, triggers: Sequence[Trigger]
+    ) -> delivery.Reply:
+        self.in_flight += 1
+        try:
+            # bounded=False: _deliver's timer already bounds the claims.
+            return await delivery.handle(
+                scope["state"]["store"], triggers, headers, headers.get("content-type"), body,
+                bounded=False,
+            )  # fmt: skip
+        except Exception as exc:
+            # The type only: an exception's text may quote the delivery.
+            log.error('{"event":"error","path":"%s","error":"%s"}', scope["path"],
+                      type(exc).__name__)  # fmt: skip
+            return delivery.error_reply(
+                500, "INTERNAL", "unexpected error; the gateway log has its type"
+            )
+        finally:
+            self.in_flight -= 1
 
 
 async def _read_body(headers: Headers, receive: Receive, limit: int) -> bytes | None:

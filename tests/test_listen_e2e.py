@@ -1053,6 +1053,7 @@ def test_one_json_log_line_per_delivery_and_no_secret_signature_or_body(http, db
     assert [(r["outcome"], r["run_id"]) for r in lines[2]["results"]] == [("ignored", None)]
     assert lines[3] == {
         "event": "delivery",
+        "level": "info",
         "path": "/hooks/github",
         "status": 401,
         "ms": lines[3]["ms"],
