@@ -55,8 +55,10 @@ def serve(
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
         os.environ["REALM_REDIS_URL"] = target.url
-        # Each worker writes its metrics here; /metrics sums them (gateway/metrics.py).
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        if workers > 1:
+            # Each worker writes its metrics here; /metrics sums them (gateway/metrics.py).
+            # One process keeps them in memory: cheaper, and nothing to sum.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the handlers
         # it found and raises the signal again. With Python's defaults that kills
         # the process (exit -15, or a KeyboardInterrupt traceback) before the

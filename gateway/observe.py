@@ -3,13 +3,16 @@
 The delivery log is an access log: one JSON object per line on stderr, written
 straight into a buffered stream rather than through ``logging`` (a LogRecord per
 delivery, and a write per line, cost more than the rest of the bookkeeping
-together). The app flushes it every 0.2 s and at shutdown; a warning line (a
-params mismatch, a 5xx) is flushed at once. Other messages use ``logging``.
+together). The app flushes it every 0.2 s, before each /metrics scrape and at
+shutdown; a warning line (a params mismatch, a 5xx) is flushed at once. Other
+messages use ``logging``. The delivery and outcome counters are kept here too and
+added to the metrics at each flush.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -27,11 +30,14 @@ class DeliveryLog:
     def __init__(self, stream: BinaryIO | None = None) -> None:
         # fd 2 with a buffer of its own (sys.stderr flushes at every line).
         self.stream = stream or open(2, "wb", buffering=1 << 16, closefd=False)  # noqa: SIM115
+        self._counts: collections.Counter[tuple[Any, ...]] = collections.Counter()
 
     def observe(self, path: str, reply: Reply, started: float) -> None:
         """Metrics and the log line. Never a header, a secret, a signature or the body."""
         seconds = time.perf_counter() - started
-        _deliveries(path, reply.status).inc()
+        # Counted here, added to the metrics at the next flush: an increment of a
+        # metric shared between worker processes costs a lock and a getpid each.
+        self._counts[("delivery", path, reply.status)] += 1
         _latency(path).observe(seconds)
         warning = reply.status >= 500
         record: dict[str, Any] = {
@@ -44,7 +50,7 @@ class DeliveryLog:
         if reply.results:
             results = []
             for r in reply.results:
-                _outcomes(r.trigger, r.workflow, r.outcome).inc()
+                self._counts[("outcome", r.trigger, r.workflow, r.outcome)] += 1
                 line = {"trigger": r.trigger, "workflow": r.workflow, "event_id": r.event_id,
                         "outcome": r.outcome, "run_id": r.run_id}  # fmt: skip
                 if r.code:
@@ -67,6 +73,13 @@ class DeliveryLog:
             pass
 
     def flush(self) -> None:
+        """Write out the buffered lines and add the counts to the metrics."""
+        counts, self._counts = self._counts, collections.Counter()
+        for key, n in counts.items():
+            if key[0] == "delivery":
+                _deliveries(key[1], key[2]).inc(n)
+            else:
+                _outcomes(key[1], key[2], key[3]).inc(n)
         with contextlib.suppress(OSError, ValueError):
             self.stream.flush()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,7 +196,12 @@ def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: 
                 two.base_url + "/hooks/plain", content=b"{}", timeout=10, headers=headers
             )
             assert reply.status_code in (200, 202)
-        text = httpx.get(two.base_url + "/metrics", timeout=10).text
+        # Each worker adds its counts at least every 0.2 s: poll until both have.
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(two.base_url + "/metrics", timeout=10).text
+            if 'status="200"} 15.0' in text or time.monotonic() > deadline:
+                break
         assert 'realm_deliveries_total{path="/hooks/plain",status="202"} 5.0' in text
         assert 'realm_deliveries_total{path="/hooks/plain",status="200"} 15.0' in text
         assert (
