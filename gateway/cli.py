@@ -32,29 +32,31 @@ EXIT_UNAVAILABLE = 4
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+config_option = click.option(
+    "--config", "config_path", default="triggers.yaml", show_default=True,
+    envvar="REALM_CONFIG", type=click.Path(dir_okay=False),
+    help="The triggers.yaml to use. [env: REALM_CONFIG]",
+)  # fmt: skip
+redis_url_option = click.option(
+    "--redis-url", envvar="REALM_REDIS_URL", default=None,
+    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
+)  # fmt: skip
+data_dir_option = click.option(
+    "--data-dir", envvar="REALM_DATA_DIR", default=DEFAULT_DATA_DIR, show_default=True,
+    type=click.Path(file_okay=False),
+    help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
+)  # fmt: skip
+
+
+def server_options(func: F) -> F:
+    """--config, --redis-url and --data-dir: every command that opens the store."""
+    return config_option(redis_url_option(data_dir_option(func)))
+
+
 def store_options(func: F) -> F:
-    """The options every command that talks to the store takes."""
-    options = [
-        click.option(
-            "--config", "config_path", default="triggers.yaml", show_default=True,
-            envvar="REALM_CONFIG", type=click.Path(dir_okay=False),
-            help="The triggers.yaml that defines the workflows. [env: REALM_CONFIG]",
-        ),
-        click.option(
-            "--redis-url", envvar="REALM_REDIS_URL", default=None,
-            help="redis:// or unix:// URL; without it, the embedded server. "
-                 "[env: REALM_REDIS_URL]",
-        ),
-        click.option(
-            "--data-dir", envvar="REALM_DATA_DIR", default=DEFAULT_DATA_DIR, show_default=True,
-            type=click.Path(file_okay=False),
-            help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
-        ),
-        click.option("--json", "as_json", is_flag=True, help="Print one JSON object."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        func = option(func)
-    return func
+    """The server options and --json: the run commands."""
+    json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    return server_options(json_option(func))
 
 
 T = TypeVar("T")
@@ -324,15 +326,6 @@ def _load_full(config_path: str) -> Config:
 
 @main.command()
 @click.option(
-    "--config",
-    "config_path",
-    default="triggers.yaml",
-    show_default=True,
-    envvar="REALM_CONFIG",
-    type=click.Path(dir_okay=False),
-    help="The triggers.yaml to serve. [env: REALM_CONFIG]",
-)
-@click.option(
     "--host",
     default="127.0.0.1",
     show_default=True,
@@ -355,20 +348,7 @@ def _load_full(config_path: str) -> Config:
     envvar="REALM_WORKERS",
     help="Worker processes. [env: REALM_WORKERS]",
 )
-@click.option(
-    "--redis-url",
-    envvar="REALM_REDIS_URL",
-    default=None,
-    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
-)
-@click.option(
-    "--data-dir",
-    envvar="REALM_DATA_DIR",
-    default=DEFAULT_DATA_DIR,
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
-)
+@server_options
 def listen(
     config_path: str, host: str, port: int, workers: int, redis_url: str | None, data_dir: str
 ) -> None:
@@ -385,29 +365,7 @@ def listen(
 
 
 @main.command("mcp")
-@click.option(
-    "--config",
-    "config_path",
-    default="triggers.yaml",
-    show_default=True,
-    envvar="REALM_CONFIG",
-    type=click.Path(dir_okay=False),
-    help="The triggers.yaml that defines the workflows. [env: REALM_CONFIG]",
-)
-@click.option(
-    "--redis-url",
-    envvar="REALM_REDIS_URL",
-    default=None,
-    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
-)
-@click.option(
-    "--data-dir",
-    envvar="REALM_DATA_DIR",
-    default=DEFAULT_DATA_DIR,
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Data folder of the embedded server. [env: REALM_DATA_DIR]",
-)
+@server_options
 def mcp(config_path: str, redis_url: str | None, data_dir: str) -> None:
     """Serve the run tools to an MCP client over stdio."""
     from gateway.mcp_server import serve_stdio
@@ -428,14 +386,7 @@ def triggers() -> None:
 
 
 @triggers.command("check")
-@click.option(
-    "--config",
-    "config_path",
-    default="triggers.yaml",
-    show_default=True,
-    envvar="REALM_CONFIG",
-    type=click.Path(dir_okay=False),
-)
+@config_option
 def triggers_check(config_path: str) -> None:
     """Validate the file and print its triggers."""
     from gateway.triggers import describe_event_id
