@@ -213,3 +213,25 @@ def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: 
     # Each worker process logs its deliveries too: one JSON line each.
     lines = [line for line in two.log().splitlines() if '"event":"delivery"' in line]
     assert len(lines) == 20
+
+
+def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path):
+    own = RedisServer(tmp_path / "redis").start()
+    env = {"REALM_API_TOKEN": TOKEN, "HOOK_TOKEN": "hook-secret"}
+    listener = Listener(tmp_path, CONFIG, redis_url=own.url, env=env).start()
+    try:
+        own.stop()
+        started = time.monotonic()
+        reply = httpx.post(
+            listener.base_url + "/v1/workflows/sync/runs",
+            json={"idempotency_key": "k"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+        assert time.monotonic() - started < 5
+        assert reply.status_code == 503
+        assert reply.json()["code"] == "STORE_UNAVAILABLE"
+        assert reply.headers["Retry-After"] == "5"
+    finally:
+        listener.stop()
+        own.stop()
