@@ -7,6 +7,7 @@ test touches a server it did not start here.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +16,16 @@ import time
 from pathlib import Path
 
 from gateway.embedded import find_server_binary
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL if the test process dies (a crash, a CI time
+    limit), so no server outlives the suite that started it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port() -> int:
@@ -59,7 +70,7 @@ class RedisServer:
             ]  # fmt: skip
             self.process = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
             )  # fmt: skip
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.process.poll() is None:

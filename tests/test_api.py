@@ -215,8 +215,8 @@ def test_metrics_count_deliveries_across_workers(server: RedisServer, tmp_path: 
     assert len(lines) == 20
 
 
-def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path):
-    own = RedisServer(tmp_path / "redis").start()
+def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path, start_redis):
+    own = start_redis()  # stopped by the fixture, however the test ends
     env = {"REALM_API_TOKEN": TOKEN, "HOOK_TOKEN": "hook-secret"}
     listener = Listener(tmp_path, CONFIG, redis_url=own.url, env=env).start()
     try:
@@ -234,4 +234,3 @@ def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path):
         assert reply.headers["Retry-After"] == "5"
     finally:
         listener.stop()
-        own.stop()
