@@ -23,6 +23,7 @@ from gateway import metrics
 from gateway.api import api_routes
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
+from gateway.deadlines import Deadlines
 from gateway.observe import DeliveryLog, setup_logging
 from gateway.openapi import openapi_document
 from gateway.store import RunStore
@@ -42,6 +43,7 @@ class JSONResponse(Response):
 def create_app(config: Config, redis_url: str, *, api_token: str | None = None) -> Webhooks:
     """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403."""
     delivery_log = DeliveryLog()
+    deadlines = Deadlines()
     by_path: dict[str, list[Trigger]] = defaultdict(list)
     for trigger in config.triggers.values():
         by_path[trigger.path].append(trigger)
@@ -55,10 +57,12 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         except Exception as exc:
             log.warning("scripts not loaded at start-up (%s); will load on first use", exc)
         flusher = asyncio.create_task(delivery_log.flush_every())
+        sweeper = asyncio.create_task(deadlines.sweep())
         try:
             yield {"store": store}
         finally:
             flusher.cancel()
+            sweeper.cancel()
             delivery_log.flush()
             await client.aclose()
 
@@ -101,7 +105,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return Webhooks(app, by_path, config.settings, delivery_log)
+    return Webhooks(app, by_path, config.settings, delivery_log, deadlines)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

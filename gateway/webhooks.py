@@ -21,6 +21,7 @@ from starlette.datastructures import Headers
 
 from gateway import delivery
 from gateway.config import Settings
+from gateway.deadlines import Deadlines
 from gateway.observe import DeliveryLog
 from gateway.triggers import Trigger
 
@@ -43,9 +44,11 @@ class Webhooks:
         by_path: Mapping[str, Sequence[Trigger]],
         settings: Settings,
         delivery_log: DeliveryLog,
+        deadlines: Deadlines,
     ) -> None:
         self.app = app  # everything that is not a webhook POST
         self.delivery_log = delivery_log
+        self.deadlines = deadlines
         self.by_path = by_path
         self.settings = settings
         # Deliveries past their body read and not yet answered, in this worker. Past
@@ -67,29 +70,35 @@ class Webhooks:
         started = time.perf_counter()
         settings = self.settings
         headers = Headers(scope=scope)
+        task = asyncio.current_task()
+        assert task is not None
         claiming = False
+        # One deadline per delivery: first for the body, then for the claims.
+        self.deadlines.set(task, settings.body_timeout)
         try:
-            # One timer per delivery: first for the body, then for the claims.
-            async with asyncio.timeout(settings.body_timeout) as deadline:
-                body = await _read_body(headers, receive, settings.max_body_bytes)
-                if body is None:
-                    reply = delivery.error_reply(
-                        413, "VALIDATION_BODY_TOO_LARGE",
-                        f"body is larger than {settings.max_body_bytes} bytes",
-                    )  # fmt: skip
-                elif self.in_flight >= settings.max_in_flight:
-                    reply = delivery.error_reply(
-                        503, "OVERLOADED",
-                        f"more than {settings.max_in_flight} deliveries in flight; retry",
-                        **{"Retry-After": "1"},
-                    )  # fmt: skip
-                else:
-                    claiming = True
-                    deadline.reschedule(asyncio.get_running_loop().time() + settings.redis_timeout)
-                    reply = await self._handle(scope, headers, body, triggers)
+            body = await _read_body(headers, receive, settings.max_body_bytes)
+            if body is None:
+                reply = delivery.error_reply(
+                    413, "VALIDATION_BODY_TOO_LARGE",
+                    f"body is larger than {settings.max_body_bytes} bytes",
+                )  # fmt: skip
+            elif self.in_flight >= settings.max_in_flight:
+                reply = delivery.error_reply(
+                    503, "OVERLOADED",
+                    f"more than {settings.max_in_flight} deliveries in flight; retry",
+                    **{"Retry-After": "1"},
+                )  # fmt: skip
+            else:
+                claiming = True
+                self.deadlines.set(task, settings.redis_timeout)
+                reply = await self._handle(scope, headers, body, triggers)
         except ClientGone:
+            self.deadlines.clear(task)
             return
-        except TimeoutError:
+        except asyncio.CancelledError:
+            if not self.deadlines.clear(task):
+                raise  # not our deadline: a shutdown, say
+            task.uncancel()
             if claiming:
                 reply = delivery.unavailable_reply(
                     f"Redis did not answer within {settings.redis_timeout:g} s; "
@@ -100,6 +109,11 @@ class Webhooks:
                     408, "VALIDATION_BODY_TIMEOUT",
                     f"the body did not arrive within {settings.body_timeout:g} s",
                 )  # fmt: skip
+        else:
+            # A deadline that passed just as the reply was ready has already asked for
+            # a cancel: the reply's write is then cut, and the sender's retry finds
+            # the stored decision. Rare (the sweep is every 50 ms) and never a lost run.
+            self.deadlines.clear(task)
         self.delivery_log.observe(scope["path"], reply, started)
         payload = orjson.dumps(reply.body)
         raw_headers = [
@@ -115,7 +129,7 @@ class Webhooks:
     ) -> delivery.Reply:
         self.in_flight += 1
         try:
-            # bounded=False: _deliver's timer already bounds the claims.
+            # bounded=False: _deliver's deadline already bounds the claims.
             return await delivery.handle(
                 scope["state"]["store"], triggers, headers, headers.get("content-type"), body,
                 bounded=False,
