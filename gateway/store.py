@@ -119,6 +119,7 @@ class RunStore:
             on_terminal_match,
             on_params_mismatch,
             wf.retention_ms,
+            wf.steps[0],
         ]
         async with self.deadline() if bounded else _UNBOUNDED:
             reply = await self._retrying(
@@ -183,7 +184,7 @@ class RunStore:
         outcomes: dict[int, StartResult | RealmError] = {}
         keys = self.keys(workflow)
         common = [workflow, wf.steps_json, on_live_match, on_terminal_match,
-                  on_params_mismatch, wf.retention_ms]  # fmt: skip
+                  on_params_mismatch, wf.retention_ms, wf.steps[0]]  # fmt: skip
         async with self.deadline():
             for start in range(0, len(to_send), BATCH_CHUNK):
                 chunk = to_send[start : start + BATCH_CHUNK]

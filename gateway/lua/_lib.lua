@@ -1,16 +1,22 @@
 -- Shared helpers, prepended by gateway/scripts.py to every script after its
 -- `#!lua` line, so each operation stays one atomic file without copying these.
 
--- Server time in milliseconds: every gateway replica agrees on it.
-local function now_ms()
+-- Server time, in milliseconds and in microseconds: every gateway replica agrees on it.
+local function server_time()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
 end
 
--- A score for a new member of a run index: the server time in microseconds,
--- nudged past the newest member so that "newest" never depends on a clock tie.
-local function next_score(zset, now)
-  local score = now * 1000
+local function now_ms()
+  return (server_time())
+end
+
+-- A score for a new member of a key's run set: the server time in microseconds,
+-- nudged past the newest member so that the key's "newest run" (what reconcile
+-- points the key at) never depends on a clock tie or a clock set back.
+local function next_score(zset, now_us)
+  local score = now_us
   local top = redis.call('ZRANGE', zset, -1, -1, 'WITHSCORES')
   if top[2] and tonumber(top[2]) >= score then
     score = tonumber(top[2]) + 1
@@ -48,9 +54,11 @@ end
 -- when the decision is a new run, write the run, its indexes, the pointer
 -- and the stream entry for the runners, all in this one script call.
 -- k: run, index, stream, pointer (nil without a key), keyruns, old (or nil)
--- a: id, workflow, key, params, fp, steps, on_live, on_terminal, on_mismatch, retention
+-- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
+--    on_mismatch, retention, seq (the item's place in a batch; 0 alone)
+-- now: server time in ms; now_us: in microseconds.
 -- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
-local function claim(k, a, now)
+local function claim(k, a, now, now_us)
   -- Caller-id check: this exact start already committed (its reply was lost).
   local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of')
   if mine[1] then
@@ -94,18 +102,20 @@ local function claim(k, a, now)
     end
   end
 
-  local first = cjson.decode(a.steps)[1]
+  local first = a.first
   redis.call('HSET', k.run,
     'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'running',
     'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
     'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of)
-  redis.call('ZADD', k.index, next_score(k.index, now), a.id)
+  -- The workflow's index orders listings only: the time (unique per script call,
+  -- which takes more than a microsecond) plus the item's place in its batch.
+  redis.call('ZADD', k.index, now_us + a.seq, a.id)
   redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow, 'step', first,
     'params', a.params)
   if k.pointer then
     redis.call('DEL', k.pointer)
     redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
-    redis.call('ZADD', k.keyruns, next_score(k.keyruns, now), a.id)
+    redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
     redis.call('PERSIST', k.keyruns)
   end
   return {'created', a.id, 'running', first, rerun_of, '0'}

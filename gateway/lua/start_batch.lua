@@ -15,7 +15,8 @@ then 4 keys per item i (base = 2 + 4*(i-1)):
 
 ARGV[1] workflow   ARGV[2] steps (JSON list)   ARGV[3] on_live_match
 ARGV[4] on_terminal_match   ARGV[5] on_params_mismatch   ARGV[6] retention in ms
-then 4 values per item i (base = 6 + 4*(i-1)):
+ARGV[7] the first step
+then 4 values per item i (base = 7 + 4*(i-1)):
   +1 new run id   +2 idempotency key ('' = none)   +3 params (canonical JSON)   +4 fingerprint
 
 Reply: either {'need_old', i, run_id, ...} naming, per item i, the live run that
@@ -24,13 +25,13 @@ cancel_existing must end (nothing was written: call again naming it in slot +4),
 params_mismatch} with the outcomes of start_run.lua.
 ]]
 
-local workflow, steps, on_live, on_terminal, on_mismatch, retention =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local count = (#ARGV - 6) / 4
+local workflow, steps, on_live, on_terminal, on_mismatch, retention, first =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local count = (#ARGV - 7) / 4
 
 local function item_keys(i)
   local base = 2 + 4 * (i - 1)
-  local has_key = ARGV[6 + 4 * (i - 1) + 2] ~= ''
+  local has_key = ARGV[7 + 4 * (i - 1) + 2] ~= ''
   return {
     run = KEYS[base + 1], index = KEYS[1], stream = KEYS[2],
     pointer = has_key and KEYS[base + 2] or nil,
@@ -53,15 +54,15 @@ if #missing > 1 then
   return missing
 end
 
-local now = now_ms()
+local now, now_us = server_time()
 local reply = {}
 for i = 1, count do
-  local base = 6 + 4 * (i - 1)
+  local base = 7 + 4 * (i - 1)
   local result = claim(item_keys(i), {
     id = ARGV[base + 1], workflow = workflow, key = ARGV[base + 2], params = ARGV[base + 3],
-    fp = ARGV[base + 4], steps = steps, on_live = on_live, on_terminal = on_terminal,
-    on_mismatch = on_mismatch, retention = retention,
-  }, now)
+    fp = ARGV[base + 4], steps = steps, first = first, on_live = on_live,
+    on_terminal = on_terminal, on_mismatch = on_mismatch, retention = retention, seq = i,
+  }, now, now_us)
   for _, v in ipairs(result) do
     reply[#reply + 1] = v
   end

@@ -16,6 +16,7 @@ ARGV[7] on_live_match   use_existing | fail | cancel_existing
 ARGV[8] on_terminal_match   reuse | reject | rerun_if_failed | rerun
 ARGV[9] on_params_mismatch  flag | reject
 ARGV[10] retention in ms (for a run this call ends)
+ARGV[11] the workflow's first step (ARGV[6][1], sent apart to spare a JSON decode)
 
 Reply: {outcome, run_id, phase, step, rerun_of, params_mismatch ('1' | '0')}
   created      ARGV[1] was started now, or by an earlier try of this same call
@@ -29,10 +30,11 @@ The decision itself is `claim` in _lib.lua, shared with start_batch.lua.
 Flags: the `#!lua` line makes Redis refuse the whole script under OOM before any write.
 ]]
 
+local now, now_us = server_time()
 return claim(
   {run = KEYS[1], index = KEYS[2], stream = KEYS[3], pointer = KEYS[4], keyruns = KEYS[5],
    old = KEYS[6]},
   {id = ARGV[1], workflow = ARGV[2], key = ARGV[3], params = ARGV[4], fp = ARGV[5],
    steps = ARGV[6], on_live = ARGV[7], on_terminal = ARGV[8], on_mismatch = ARGV[9],
-   retention = ARGV[10]},
-  now_ms())
+   retention = ARGV[10], first = ARGV[11], seq = 0},
+  now, now_us)
