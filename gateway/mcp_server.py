@@ -11,10 +11,8 @@ Only the protocol goes to stdout; logs go to stderr.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any, Literal
 
@@ -24,9 +22,9 @@ from mcp.types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 
 from gateway import replies
-from gateway.config import Config, load_config
+from gateway.config import Config
 from gateway.connection import redis_client
-from gateway.errors import ConfigError, RealmError
+from gateway.errors import RealmError
 from gateway.runs import MAX_BATCH_ITEMS
 from gateway.store import RunStore
 
@@ -330,24 +328,3 @@ def serve_stdio(config: Config, redis_url: str) -> None:
             await client.aclose()
 
     build_server(open_store).run("stdio")
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m gateway.mcp_server --config triggers.yaml --redis-url URL``.
-
-    For tests and development; ``realm mcp`` is the command for users.
-    """
-    parser = argparse.ArgumentParser(prog="python -m gateway.mcp_server")
-    parser.add_argument("--config", default="triggers.yaml", help="the triggers.yaml")
-    parser.add_argument("--redis-url", required=True, help="redis:// or unix:// URL")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, with_triggers=False)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(3)
-    serve_stdio(config, args.redis_url)
-
-
-if __name__ == "__main__":
-    main()

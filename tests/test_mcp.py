@@ -1,4 +1,4 @@
-"""The MCP tools, end to end: ``python -m gateway.mcp_server`` as a subprocess, driven
+"""The MCP tools, end to end: ``realm mcp`` (``python -m gateway mcp``) as a subprocess, driven
 over stdio by the ``mcp`` SDK's own client, against a private Redis.
 
 The replies are compared with the texts of DESIGN §4 and Realm's documentation
@@ -85,7 +85,7 @@ def connect(config_file: Path, redis_server: RedisServer, redis: Redis) -> Calla
     async def open_session(url: str | None = None) -> AsyncIterator[Tools]:
         params = StdioServerParameters(
             command=sys.executable,
-            args=["-m", "gateway.mcp_server", "--config", str(config_file),
+            args=["-m", "gateway", "mcp", "--config", str(config_file),
                   "--redis-url", url or redis_server.url],
             cwd=ROOT,
         )  # fmt: skip
