@@ -3,12 +3,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import redis as redis_sync
 from redis.asyncio import Redis
 
 from gateway.config import Config, parse_config
 from gateway.connection import redis_client
 from gateway.store import RunStore
+from tests.listener import Listener
 from tests.servers import RedisServer
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -55,6 +58,30 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private server for one test module, beside that module's listener."""
+    server = RedisServer(tmp_path_factory.mktemp("module-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def db(module_redis: RedisServer) -> Iterator[redis_sync.Redis]:
+    """A flushed synchronous client of the module's server."""
+    client = redis_sync.Redis.from_url(module_redis.url, decode_responses=True, socket_timeout=5)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def http(gateway: Listener, db: redis_sync.Redis) -> Iterator[httpx.Client]:
+    """A client of the module's ``gateway`` listener (each module defines its own)."""
+    with httpx.Client(base_url=gateway.base_url, timeout=10) as client:
+        yield client
 
 
 @pytest.fixture

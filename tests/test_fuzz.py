@@ -150,13 +150,6 @@ def figures(name: str, **numbers: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("fuzz-redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer):
     listener = Listener(
         tmp_path_factory.mktemp("fuzz-listen"), CONFIG, redis_url=module_redis.url, env=ENV

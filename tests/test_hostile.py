@@ -18,7 +18,7 @@ import socket
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,13 +258,6 @@ def assert_refused(reply: httpx.Response, status: int, code: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("hostile-redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer):
     listener = Listener(
         tmp_path_factory.mktemp("hostile-listen"),
@@ -275,20 +268,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer)
     yield listener
     listener.stop()
     assert "Traceback" not in listener.log(), listener.log()[-4000:]
-
-
-@pytest.fixture
-def db(module_redis: RedisServer) -> Iterator[redis_sync.Redis]:
-    client = redis_sync.Redis.from_url(module_redis.url, decode_responses=True, socket_timeout=5)
-    client.flushall()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def http(gateway: Listener, db: redis_sync.Redis) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.base_url, timeout=10) as client:
-        yield client
 
 
 # --------------------------------------------------------------------------- 10. signatures

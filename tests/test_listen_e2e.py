@@ -433,33 +433,12 @@ def realm_cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("e2e-redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer):
     listener = Listener(
         tmp_path_factory.mktemp("e2e-listen"), CONFIG, redis_url=module_redis.url, env=ENV
     ).start()
     yield listener
     listener.stop()
-
-
-@pytest.fixture
-def db(module_redis: RedisServer) -> Iterator[redis_sync.Redis]:
-    client = redis_sync.Redis.from_url(module_redis.url, decode_responses=True, socket_timeout=5)
-    client.flushall()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def http(gateway: Listener, db: redis_sync.Redis) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.base_url, timeout=10) as client:
-        yield client
 
 
 # --------------------------------------------------------------------------- redeliveries
