@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -20,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import metrics
-from gateway.api import api_routes
+from gateway.api import api_routes, json_response
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
 from gateway.deadlines import Deadlines
@@ -31,13 +30,6 @@ from gateway.triggers import Trigger
 from gateway.webhooks import Webhooks
 
 log = logging.getLogger("realm")
-
-
-class JSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
 
 
 def create_app(config: Config, redis_url: str, *, api_token: str | None = None) -> Webhooks:
@@ -71,7 +63,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         raise HTTPException(405)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
         store: RunStore = request.state.store
@@ -79,13 +71,13 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
             await store.ping()
             await store.load_scripts()
         except Exception as exc:
-            return JSONResponse({"status": "error", "message": str(exc)}, 503)
-        return JSONResponse({"status": "ok"})
+            return json_response({"status": "error", "message": str(exc)}, 503)
+        return json_response({"status": "ok"})
 
     document = openapi_document(list(by_path))
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+        return json_response(document)
 
     async def metrics_text(request: Request) -> Response:
         delivery_log.flush()  # this worker's counts; the others flush every 0.2 s
@@ -112,31 +104,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     codes = {404: "NOT_FOUND_ROUTE", 405: "METHOD_NOT_ALLOWED"}
     message = {404: f"no route {request.url.path}", 405: "webhook routes take POST only"}
-    return JSONResponse(
+    return json_response(
         {
             "status": "error",
             "code": codes.get(exc.status_code, "HTTP_ERROR"),
             "message": message.get(exc.status_code, exc.detail),
         },
         exc.status_code,
-        headers=exc.headers,
+        dict(exc.headers or {}),
     )
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The whole body, or None as soon as it is known to be over ``limit``:
-    a declared length is refused before reading, a streamed one mid-way."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def app_from_env() -> Webhooks:

@@ -73,7 +73,7 @@ def with_store(
     Config errors and an unreachable store end the command with a clear
     message and their exit code; coded errors reach the caller.
     """
-    config = _load_workflows(config_path)
+    config = _load_config(config_path, with_triggers=False)
     try:
         with redis_target(redis_url, data_dir) as target:
             click.echo(f"using {target.description}", err=True)
@@ -93,9 +93,11 @@ def with_store(
         sys.exit(EXIT_UNAVAILABLE)
 
 
-def _load_workflows(config_path: str) -> Config:
+def _load_config(config_path: str, *, with_triggers: bool) -> Config:
+    """The config, or its one-line error and exit code 3. Run commands load only
+    the workflows, so they need none of the webhook secrets."""
     try:
-        return load_config(config_path, with_triggers=False)
+        return load_config(config_path, with_triggers=with_triggers)
     except ConfigError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -316,14 +318,6 @@ def run_fail(
                                               "message": f"Run '{run_id}' failed."})  # fmt: skip
 
 
-def _load_full(config_path: str) -> Config:
-    try:
-        return load_config(config_path)
-    except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_CONFIG)
-
-
 @main.command()
 @click.option(
     "--host",
@@ -355,7 +349,7 @@ def listen(
     """Receive webhooks and turn verified deliveries into runs."""
     from gateway.listen import serve
 
-    config = _load_full(config_path)
+    config = _load_config(config_path, with_triggers=True)
     try:
         serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
               data_dir=data_dir)  # fmt: skip
@@ -370,7 +364,7 @@ def mcp(config_path: str, redis_url: str | None, data_dir: str) -> None:
     """Serve the run tools to an MCP client over stdio."""
     from gateway.mcp_server import serve_stdio
 
-    config = _load_workflows(config_path)
+    config = _load_config(config_path, with_triggers=False)
     try:
         with redis_target(redis_url, data_dir) as target:
             click.echo(f"using {target.description}", err=True)  # stdout is the protocol
@@ -392,7 +386,7 @@ def triggers_check(config_path: str) -> None:
     from gateway.triggers import describe_event_id
     from gateway.verify import describe
 
-    config = _load_full(config_path)
+    config = _load_config(config_path, with_triggers=True)
     rows = [("TRIGGER", "PATH", "WORKFLOW", "VERIFY", "EVENT ID", "ON LIVE", "ON TERMINAL")]
     for t in config.triggers.values():
         rows.append((t.name, t.path, t.workflow, describe(t.verify), describe_event_id(t),
@@ -443,7 +437,7 @@ def triggers_test(
     """
     from gateway.dryrun import dry_run, format_report
 
-    config = _load_full(config_path)
+    config = _load_config(config_path, with_triggers=True)
     body = Path(body_file).read_bytes()
     headers: list[tuple[str, str]] = []
     for arg in header_args:

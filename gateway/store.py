@@ -9,6 +9,7 @@ retries, which deduplicates).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
@@ -121,7 +122,7 @@ class RunStore:
             wf.retention_ms,
             wf.steps[0],
         ]
-        async with self.deadline() if bounded else _UNBOUNDED:
+        async with self.deadline() if bounded else contextlib.nullcontext():
             reply = await self._retrying(
                 lambda: self._run_script(self.scripts.start_run, script_keys, argv)
             )
@@ -274,7 +275,7 @@ class RunStore:
         for data in found:
             if data:
                 return run_from_hash(data)
-        raise RealmError("NOT_FOUND_RUN", f"No run '{run_id}' (it never existed or has expired).")
+        raise _run_not_found(run_id)
 
     async def list_runs(
         self,
@@ -462,17 +463,6 @@ class RunStore:
                     raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
                 raise
         raise AssertionError("unreachable")
-
-
-class _Unbounded:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        return None
-
-
-_UNBOUNDED = _Unbounded()
 
 
 class _Deadline:
