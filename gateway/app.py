@@ -43,7 +43,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         client = redis_client(redis_url, config.settings.redis_timeout)
-        store = RunStore(client, config, coalesce=True)
+        store = RunStore(client, config, pipelined=True)
         try:
             await store.load_scripts()
         except Exception as exc:
@@ -56,6 +56,7 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
             flusher.cancel()
             sweeper.cancel()
             delivery_log.flush()
+            store.close()
             await client.aclose()
 
     async def post_only(request: Request) -> Response:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -19,10 +18,10 @@ from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from gateway.coalesce import Coalescer
 from gateway.config import Config
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.keys import Keys
+from gateway.pipeline import Pipeline
 from gateway.policy import Decision, KeyState, decide
 from gateway.runs import (
     MAX_BATCH_ITEMS,
@@ -39,6 +38,7 @@ from gateway.runs import (
     check_run_id,
     encode_params,
     fingerprint_of,
+    new_run_id,
     prepare_items,
     run_from_hash,
     text_of,
@@ -60,19 +60,21 @@ class RunStore:
         config: Config,
         *,
         timeout: float | None = None,
-        coalesce: bool = False,
+        pipelined: bool = False,
     ) -> None:
-        """``coalesce``: send the starts made in one event-loop turn as one pipeline
-        (see gateway/coalesce.py); worth it under concurrent load, as in the listener."""
+        """``pipelined``: send run starts on one pipelined connection of the store's
+        own (see gateway/pipeline.py); worth it under concurrent load, as in the
+        listener."""
         self.redis = redis
         self.config = config
         self.prefix = config.settings.key_prefix
         self.timeout = config.settings.redis_timeout if timeout is None else timeout
         self.scripts = Scripts(redis)
-        self._coalescer = Coalescer(redis, self.timeout) if coalesce else None
+        self._pipeline = Pipeline.for_client(redis, self.timeout) if pipelined else None
+        self._keys = {name: Keys(self.prefix, name) for name in config.workflows}
 
     def keys(self, workflow: str) -> Keys:
-        return Keys(self.prefix, workflow)
+        return self._keys.get(workflow) or Keys(self.prefix, workflow)
 
     # -- starting runs -----------------------------------------------------------------
 
@@ -104,7 +106,7 @@ class RunStore:
         params_json = encode_params(params)
         if idempotency_key is not None:
             check_key(idempotency_key)
-        new_id = run_id or str(uuid.uuid4())
+        new_id = run_id or new_run_id()
         keys = self.keys(workflow)
         script_keys = [keys.run(new_id), keys.runs(), keys.stream()]
         if idempotency_key is not None:
@@ -189,7 +191,7 @@ class RunStore:
         async with self.deadline():
             for start in range(0, len(to_send), BATCH_CHUNK):
                 chunk = to_send[start : start + BATCH_CHUNK]
-                ids = {i: str(uuid.uuid4()) for i in chunk}
+                ids = {i: new_run_id() for i in chunk}
                 old: dict[int, str] = {}
                 while True:
                     script_keys = [keys.runs(), keys.stream()]
@@ -388,6 +390,11 @@ class RunStore:
         async with self.deadline():
             await self._retrying(self.redis.ping)
 
+    def close(self) -> None:
+        """Close the store's own pipelined connection (the client is the caller's)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
     async def load_scripts(self) -> None:
         """Load every script now, so a broken script or server fails at start-up."""
         async with self.deadline():
@@ -411,8 +418,8 @@ class RunStore:
         return outcome, final
 
     async def _run_script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
-        if self._coalescer is not None:
-            return await self._coalescer.call(script, keys, args)
+        if self._pipeline is not None:
+            return await self._pipeline.evalsha(script, keys, args)
         return await script(keys, args)
 
     async def _hgetall_many(self, names: list[str]) -> list[dict[bytes, bytes]]:
@@ -494,7 +501,8 @@ def _start_result(
     on_terminal_match: str,
     reply: list[Any],
 ) -> StartResult:
-    outcome, run_id, phase, step, rerun_of, mismatch = (text_of(x) for x in reply)
+    # Every element is a Lua string, so bytes.
+    outcome, run_id, phase, step, rerun_of, mismatch = (x.decode() for x in reply)
     if outcome == "created":
         superseded_by = None
         if rerun_of:

@@ -452,22 +452,24 @@ class _Spy:
         return self._call(keys, args, *rest, **kw)
 
 
-# -- coalesced starts (the listener's mode) ------------------------------------------------
+# -- pipelined starts (the listener's mode) ------------------------------------------------
 
 
 @pytest.fixture
-async def coalescing(redis_server, config: Config):
+async def pipelined(redis_server, config: Config):
     from gateway.connection import redis_client
 
     client = redis_client(redis_server.url, 5.0)
-    yield RunStore(client, config, timeout=10, coalesce=True)
+    store = RunStore(client, config, timeout=10, pipelined=True)
+    yield store
+    store.close()
     await client.aclose()
 
 
-async def test_coalesced_concurrent_starts_keep_every_outcome_apart(coalescing, redis: Redis):
-    await coalescing.start_run("sync", {}, "busy", on_live_match="fail")
-    calls = [coalescing.start_run("sync", {}, f"k{i % 20}") for i in range(100)]
-    calls.append(coalescing.start_run("sync", {}, "busy", on_live_match="fail"))
+async def test_pipelined_concurrent_starts_keep_every_outcome_apart(pipelined, redis: Redis):
+    await pipelined.start_run("sync", {}, "busy", on_live_match="fail")
+    calls = [pipelined.start_run("sync", {}, f"k{i % 20}") for i in range(100)]
+    calls.append(pipelined.start_run("sync", {}, "busy", on_live_match="fail"))
     results = await asyncio.gather(*calls, return_exceptions=True)
 
     refused = results.pop()
@@ -480,9 +482,9 @@ async def test_coalesced_concurrent_starts_keep_every_outcome_apart(coalescing, 
     assert await redis.xlen(KEYS.stream()) == 21
 
 
-async def test_coalesced_starts_survive_a_script_flush(coalescing, redis: Redis):
-    first = await coalescing.start_run("sync", {}, "k")
+async def test_pipelined_starts_survive_a_script_flush(pipelined, redis: Redis):
+    first = await pipelined.start_run("sync", {}, "k")
     await redis.script_flush()
-    results = await asyncio.gather(*(coalescing.start_run("sync", {}, "k") for _ in range(30)))
+    results = await asyncio.gather(*(pipelined.start_run("sync", {}, "k") for _ in range(30)))
     assert {r.run_id for r in results} == {first.run_id}
     assert all(r.deduped for r in results)
