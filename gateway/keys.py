@@ -7,7 +7,7 @@ characters that cannot open or close a tag.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_PREFIX = "realm"
 
@@ -18,10 +18,11 @@ class Keys:
 
     prefix: str
     workflow: str
+    # Built once: every run start names five keys.
+    _base: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def _base(self) -> str:
-        return f"{self.prefix}:{{{self.workflow}}}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_base", f"{self.prefix}:{{{self.workflow}}}")
 
     def run(self, run_id: str) -> str:
         """Hash: one run's record."""

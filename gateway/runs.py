@@ -7,6 +7,7 @@ HTTP API and MCP print them (gateway/replies.py).
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -191,6 +192,17 @@ def check_key(key: str) -> None:
             "VALIDATION_PARAMS",
             f"idempotency_key must be a non-empty string of at most {MAX_KEY_BYTES} bytes",
         )
+
+
+def new_run_id() -> str:
+    """A random (version 4) UUID, as text. Formatted here rather than by
+    ``str(uuid.uuid4())``, which builds a UUID object on the way: half the cost,
+    on every run start."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def check_run_id(run_id: str) -> None:
