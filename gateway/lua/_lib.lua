@@ -113,7 +113,11 @@ local function claim(k, a, now, now_us)
   redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow, 'step', first,
     'params', a.params)
   if k.pointer then
-    redis.call('DEL', k.pointer)
+    if rerun_of ~= '' then
+      -- The old pointer may carry a TTL (its run ended): start it afresh. A key
+      -- seen for the first time has no pointer to delete.
+      redis.call('DEL', k.pointer)
+    end
     redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
     redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
     redis.call('PERSIST', k.keyruns)
