@@ -84,17 +84,18 @@ class Pipeline:
         return await conn.send(command)
 
     async def _connect(self) -> _Connection:
-        # Callers that arrive while a connection is being made wait for that one.
+        # Callers that arrive while a connection is being made wait for that one; a
+        # caller that gives up (its deadline) leaves it to finish for the others.
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open())
-        connecting = self._connecting
-        try:
-            conn = await asyncio.shield(connecting)
-        finally:
-            if connecting.done() and self._connecting is connecting:
-                self._connecting = None
-        self._conn = conn
-        return conn
+            self._connecting.add_done_callback(self._connected)
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, connecting: asyncio.Future[_Connection]) -> None:
+        # Runs before the waiting callers resume, and also when none is left.
+        self._connecting = None
+        if not connecting.cancelled() and connecting.exception() is None:
+            self._conn = connecting.result()
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -133,6 +134,8 @@ class Pipeline:
             raise reply
 
     def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
