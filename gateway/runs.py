@@ -194,11 +194,37 @@ def check_key(key: str) -> None:
         )
 
 
+class _RandomPool:
+    """Random bytes from ``os.urandom``, fetched 4 KiB at a time: one system call per
+    256 run ids rather than one per id (measured: a few per cent of a delivery)."""
+
+    SIZE = 4096
+
+    def __init__(self) -> None:
+        self._data = b""
+        self._pos = 0
+        # A forked child must not hand out the ids its parent already has.
+        os.register_at_fork(after_in_child=self._drop)
+
+    def take(self, n: int) -> bytes:
+        if self._pos + n > len(self._data):
+            self._data, self._pos = os.urandom(self.SIZE), 0
+        chunk = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return chunk
+
+    def _drop(self) -> None:
+        self._data, self._pos = b"", 0
+
+
+_random = _RandomPool()
+
+
 def new_run_id() -> str:
     """A random (version 4) UUID, as text. Formatted here rather than by
-    ``str(uuid.uuid4())``, which builds a UUID object on the way: half the cost,
-    on every run start."""
-    raw = bytearray(os.urandom(16))
+    ``str(uuid.uuid4())``, which builds a UUID object on the way and makes a system
+    call for its 16 bytes: a third of the cost, on every run start."""
+    raw = bytearray(_random.take(16))
     raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
     raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
     h = raw.hex()
