@@ -497,6 +497,12 @@ class Row:
     expected: int | None
 
 
+def median_row(trials: list[Row]) -> Row:
+    """The round with the median req/s (the lower middle one for an even count)."""
+    ranked = sorted(trials, key=lambda row: row.result.rps)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def fmt_ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
@@ -548,6 +554,9 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2", help="uvicorn worker counts, e.g. 1,2")
     parser.add_argument("--events", type=int, default=80_000, help="deliveries per request file")
     parser.add_argument("--apps", default="ceiling,obvious,gateway")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds per app, interleaved; rows are medians"
+    )
     parser.add_argument("--quick", action="store_true", help="3 s runs, 1 worker only")
     parser.add_argument("--no-redis-benchmark", action="store_true")
     parser.add_argument(
@@ -569,6 +578,7 @@ def main() -> int:
     secret_text = secrets.token_hex(20)
     secret = secret_text.encode()
     rows: list[Row] = []
+    mismatches: list[str] = []  # runs where runs created != distinct ids sent
     profile = ""
     load_before = os.getloadavg()
     started: list[App] = []
@@ -610,22 +620,34 @@ def main() -> int:
                 smoke_test(batch, secret)
                 r.flushall()
                 for scenario, reqs in files.items():
-                    for app in batch:
-                        run_wrk(app.port, reqs.path, args.warmup, args)
-                        r.flushall()
-                        result = run_wrk(app.port, reqs.path, args.duration, args)
-                        time.sleep(0.3)  # let the last in-flight deliveries land
-                        created = runs_created(r, app.name)
-                        expected = (
-                            None
-                            if created is None
-                            else distinct_sent(reqs.ids, args.threads, result.sent)
-                        )
-                        rows.append(Row(app.name, scenario, workers, result, created, expected))
-                        print(f"  {app.name:<8} {scenario:<12} w={workers}: "
-                              f"{result.rps:8.0f} req/s  p50 {result.p50_ms:.2f} ms  "
-                              f"p99 {result.p99_ms:.2f} ms", flush=True)  # fmt: skip
-                        r.flushall()
+                    # Rounds interleave the apps (A B C A B C ...), so a burst of load
+                    # from elsewhere on the machine hits every app alike; each app's
+                    # row is its median round.
+                    trials: dict[str, list[Row]] = {app.name: [] for app in batch}
+                    for round_no in range(1, args.repeat + 1):
+                        for app in batch:
+                            run_wrk(app.port, reqs.path, args.warmup, args)
+                            r.flushall()
+                            result = run_wrk(app.port, reqs.path, args.duration, args)
+                            time.sleep(0.3)  # let the last in-flight deliveries land
+                            created = runs_created(r, app.name)
+                            expected = (
+                                None
+                                if created is None
+                                else distinct_sent(reqs.ids, args.threads, result.sent)
+                            )
+                            trials[app.name].append(
+                                Row(app.name, scenario, workers, result, created, expected)
+                            )
+                            if created != expected:
+                                where = f"{app.name} {scenario} w={workers} round {round_no}"
+                                mismatches.append(f"{where}: {created} runs, {expected} ids")
+                            print(f"  {app.name:<8} {scenario:<12} w={workers} "
+                                  f"[{round_no}/{args.repeat}]: {result.rps:8.0f} req/s  "
+                                  f"p50 {result.p50_ms:.2f} ms  p99 {result.p99_ms:.2f} ms",
+                                  flush=True)  # fmt: skip
+                            r.flushall()
+                    rows += [median_row(trials[app.name]) for app in batch]
                 if args.profile and workers == 1 and "gateway" in apps:
                     gateway = next(a for a in batch if a.name == "gateway")
                     profile = profile_gateway(gateway, files["unique"], args, work)
@@ -645,7 +667,14 @@ def main() -> int:
     print(f"gateway code: {gateway_revision()}")
     print(f"machine: {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, "
           f"after {load_after[0]:.2f} (1 min); wrk runs on the same CPUs as the apps")  # fmt: skip
+    if args.repeat > 1:
+        print(f"each row: the median of {args.repeat} interleaved rounds (by req/s)")
     print_table(rows, args)
+    print()
+    if mismatches:
+        print("runs created != distinct delivery ids sent in:", *mismatches, sep="\n  ")
+    else:
+        print("every round of every app: runs created = distinct delivery ids sent")
     if bench:
         print()
         print("Redis alone (redis-benchmark -c 50, EVALSHA with fresh keys), for context:")
