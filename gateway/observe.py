@@ -35,30 +35,33 @@ class DeliveryLog:
     def observe(self, path: str, reply: Reply, started: float) -> None:
         """Metrics and the log line. Never a header, a secret, a signature or the body."""
         seconds = time.perf_counter() - started
+        counts = self._counts
+        status = reply.status
         # Counted here, added to the metrics at the next flush: an increment of a
         # metric shared between worker processes costs a lock and a getpid each.
-        self._counts[("delivery", path, reply.status)] += 1
+        counts[("delivery", path, status)] += 1
         _latency(path).observe(seconds)
-        warning = reply.status >= 500
+        warning = status >= 500
         record: dict[str, Any] = {
             "event": "delivery",
             "level": "info",
             "path": path,
-            "status": reply.status,
+            "status": status,
             "ms": round(seconds * 1000, 2),
         }
         if reply.results:
             results = []
             for r in reply.results:
-                self._counts[("outcome", r.trigger, r.workflow, r.outcome)] += 1
+                counts[("outcome", r.trigger, r.workflow, r.outcome)] += 1
                 line = {"trigger": r.trigger, "workflow": r.workflow, "event_id": r.event_id,
                         "outcome": r.outcome, "run_id": r.run_id}  # fmt: skip
-                if r.code:
+                if r.code is not None:
                     line["code"] = r.code
-                if r.params_mismatch or r.code == "STATE_IDEMPOTENCY_KEY_CONFLICT":
+                    if r.code == "STATE_IDEMPOTENCY_KEY_CONFLICT":
+                        line["params_mismatch"] = warning = True
+                if r.params_mismatch:
                     # The same event id came back with another body: worth a look.
-                    line["params_mismatch"] = True
-                    warning = True
+                    line["params_mismatch"] = warning = True
                 results.append(line)
             record["results"] = results
         else:

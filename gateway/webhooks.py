@@ -37,38 +37,42 @@ class ClientGone(Exception):
 
 
 class RequestHeaders:
-    """A delivery's headers for look-ups by lower-case name: one dict built per
-    delivery. Starlette's ``Headers`` scans the whole list on every look-up, and a
-    delivery makes about eight."""
+    """A delivery's headers for look-ups by lower-case name.
 
-    __slots__ = ("_first", "_repeated")
+    Starlette's ``Headers`` scans the whole list on every look-up, and a delivery
+    makes about eight. Here the raw list becomes one dict, built in C, and a value is
+    decoded when it is looked up. A name sent twice (rare, and refused for signature
+    headers) takes a slower path that keeps every value in order.
+    """
+
+    __slots__ = ("_first", "_raw", "_repeated")
 
     def __init__(self, raw: Sequence[tuple[bytes, bytes]]) -> None:
-        first: dict[str, str] = {}
-        repeated: dict[str, list[str]] = {}
-        for raw_name, raw_value in raw:
-            # latin-1, as Starlette decodes them: it maps every byte, so verify can
-            # encode a value back to exactly the bytes the sender signed.
-            name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
-            if name not in first:
-                first[name] = value
-            elif name in repeated:
-                repeated[name].append(value)
-            else:
-                repeated[name] = [first[name], value]
-        self._first = first
-        self._repeated = repeated
+        # ASGI servers send names lower-cased (uvicorn does).
+        self._raw = raw
+        self._first: dict[bytes, bytes] = dict(raw)
+        self._repeated: dict[bytes, list[bytes]] | None = None
+        if len(self._first) != len(raw):  # a name appears more than once
+            repeated: dict[bytes, list[bytes]] = {}
+            for name, value in raw:
+                repeated.setdefault(name, []).append(value)
+            self._repeated = repeated
+            self._first = {name: values[0] for name, values in repeated.items()}
 
     def get(self, key: str, default: None = None) -> str | None:
         """The first value of header ``key`` (lower-case), or None."""
-        return self._first.get(key, default)
+        value = self._first.get(key.encode("latin-1"))
+        # latin-1, as Starlette decodes: it maps every byte, so verify can encode a
+        # value back to exactly the bytes the sender signed.
+        return None if value is None else value.decode("latin-1")
 
     def getlist(self, key: str) -> list[str]:
         """Every value of header ``key`` (lower-case), in the order sent."""
-        if key in self._repeated:
-            return list(self._repeated[key])
-        value = self._first.get(key)
-        return [] if value is None else [value]
+        name = key.encode("latin-1")
+        if self._repeated is not None:
+            return [v.decode("latin-1") for v in self._repeated.get(name, ())]
+        value = self._first.get(name)
+        return [] if value is None else [value.decode("latin-1")]
 
 
 class Webhooks:
