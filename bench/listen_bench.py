@@ -390,7 +390,7 @@ def redis_benchmark(r: redis.Redis, port: int) -> list[tuple[str, float, float]]
          ["EVALSHA", start_run, "5", "realm:{b}:run:__rand_int__", "realm:{b}:runs",
           "realm:{b}:stream", "realm:{b}:key:__rand_int__", "realm:{b}:keyruns:__rand_int__",
           "run-id", "b", "key", params, "f" * 64, '["fetch","build","release"]',
-          "use_existing", "reuse", "flag", "604800000"]),
+          "use_existing", "reuse", "flag", "604800000", "fetch"]),
     ]  # fmt: skip
     results = []
     for label, command in cases:
@@ -400,7 +400,10 @@ def redis_benchmark(r: redis.Redis, port: int) -> list[tuple[str, float, float]]
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         rows = [line for line in done.stdout.splitlines() if line.startswith('"EVALSHA')]
-        if done.returncode == 0 and rows:
+        if done.returncode != 0 or not rows:
+            # Say so rather than leave the row out: a script error shows up here.
+            print(f"redis-benchmark failed for {label}: {(done.stderr or done.stdout)[-300:]}")
+        else:
             # "test","rps","avg","min","p50","p95","p99","max" (the test name holds quotes)
             fields = [f.strip('"') for f in rows[-1].rsplit('","', 7)]
             results.append((label, float(fields[1]), float(fields[4])))  # rps, p50 ms
