@@ -148,6 +148,8 @@ class _Connection(asyncio.Protocol):
         self.timeout = timeout
         self.closed = False
         self._transport: asyncio.Transport | None = None
+        # Error replies become redis-py's exception classes through redis-py's own
+        # mapping (a private module, but the classes the store catches are its own).
         self._reader = hiredis.Reader(
             protocolError=redis_errors.InvalidResponse, replyError=BaseParser.parse_error
         )

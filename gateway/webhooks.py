@@ -45,11 +45,10 @@ class RequestHeaders:
     headers) takes a slower path that keeps every value in order.
     """
 
-    __slots__ = ("_first", "_raw", "_repeated")
+    __slots__ = ("_first", "_repeated")
 
     def __init__(self, raw: Sequence[tuple[bytes, bytes]]) -> None:
         # ASGI servers send names lower-cased (uvicorn does).
-        self._raw = raw
         self._first: dict[bytes, bytes] = dict(raw)
         self._repeated: dict[bytes, list[bytes]] | None = None
         if len(self._first) != len(raw):  # a name appears more than once
