@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from redis import exceptions as redis_errors
@@ -22,22 +24,24 @@ from gateway.store import RunStore
 ECHO_FIRST_ARG = "return ARGV[1]"
 
 
-async def _pipeline(url: str, timeout: float = 5.0) -> tuple[Redis, Pipeline]:
+@asynccontextmanager
+async def opened(url: str, timeout: float = 5.0) -> AsyncIterator[tuple[Redis, Pipeline]]:
+    """A redis-py client and the pipeline to its server, both closed afterwards."""
     client = redis_client(url, timeout)
     pipeline = Pipeline.for_client(client, timeout)
     assert pipeline is not None
-    return client, pipeline
-
-
-async def test_replies_reach_their_own_callers_in_order(redis_server) -> None:
-    client, pipeline = await _pipeline(redis_server.url)
-    script = client.register_script(ECHO_FIRST_ARG)
     try:
-        replies = await asyncio.gather(*(pipeline.evalsha(script, [], [i]) for i in range(500)))
-        assert replies == [str(i).encode() for i in range(500)]
+        yield client, pipeline
     finally:
         pipeline.close()
         await client.aclose()
+
+
+async def test_replies_reach_their_own_callers_in_order(redis_server) -> None:
+    async with opened(redis_server.url) as (client, pipeline):
+        script = client.register_script(ECHO_FIRST_ARG)
+        replies = await asyncio.gather(*(pipeline.evalsha(script, [], [i]) for i in range(500)))
+        assert replies == [str(i).encode() for i in range(500)]
 
 
 async def _with_password(start_redis, password: str):
@@ -51,34 +55,24 @@ async def _with_password(start_redis, password: str):
 
 async def test_password_and_database_from_the_url(start_redis) -> None:
     server = await _with_password(start_redis, "s3cret")
-    url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
-    client, pipeline = await _pipeline(url)
-    try:
+    async with opened(f"redis://:s3cret@127.0.0.1:{server.port}/3") as (client, pipeline):
         assert await pipeline.execute(b"SET", "where", "db3") == b"OK"
         assert await client.get("where") == b"db3"  # redis-py, same URL: database 3
         await client.select(0)
         assert await client.get("where") is None
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_a_wrong_password_is_an_authentication_error(start_redis) -> None:
     server = await _with_password(start_redis, "s3cret")
-    client, pipeline = await _pipeline(f"redis://:wrong@127.0.0.1:{server.port}/0")
-    try:
+    async with opened(f"redis://:wrong@127.0.0.1:{server.port}/0") as (_, pipeline):
         with pytest.raises(redis_errors.AuthenticationError):
             await pipeline.execute(b"PING")
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_an_error_reply_is_raised_to_its_caller_only(redis_server) -> None:
-    client, pipeline = await _pipeline(redis_server.url)
-    failing = client.register_script("return redis.error_reply('ERR nope')")
-    echo = client.register_script(ECHO_FIRST_ARG)
-    try:
+    async with opened(redis_server.url) as (client, pipeline):
+        failing = client.register_script("return redis.error_reply('ERR nope')")
+        echo = client.register_script(ECHO_FIRST_ARG)
         results = await asyncio.gather(
             pipeline.evalsha(echo, [], ["a"]),
             pipeline.evalsha(failing, [], []),
@@ -88,74 +82,56 @@ async def test_an_error_reply_is_raised_to_its_caller_only(redis_server) -> None
         assert results[0] == b"a" and results[2] == b"b"
         assert isinstance(results[1], redis_errors.ResponseError)
         assert "nope" in str(results[1])
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_a_flushed_script_cache_is_reloaded_and_the_call_runs_once(redis_server) -> None:
-    client, pipeline = await _pipeline(redis_server.url)
-    incr = client.register_script("return redis.call('INCR', KEYS[1])")
-    try:
+    async with opened(redis_server.url) as (client, pipeline):
+        incr = client.register_script("return redis.call('INCR', KEYS[1])")
         await client.delete("pipeline:count")
         await client.script_flush()
         assert await pipeline.evalsha(incr, ["pipeline:count"], []) == 1
         assert await client.get("pipeline:count") == b"1"
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_nothing_listening_is_a_connection_error(start_redis) -> None:
     server = start_redis()
     port = server.port
     server.stop()
-    client, pipeline = await _pipeline(f"redis://127.0.0.1:{port}/0")
-    try:
+    async with opened(f"redis://127.0.0.1:{port}/0") as (_, pipeline):
         with pytest.raises(redis_errors.ConnectionError, match="cannot connect"):
             await pipeline.execute(b"PING")
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_a_frozen_server_fails_the_calls_within_the_timeout(start_redis) -> None:
     server = start_redis()
-    client, pipeline = await _pipeline(server.url, timeout=0.5)
-    try:
+    async with opened(server.url, timeout=0.5) as (_, pipeline):
         assert await pipeline.execute(b"PING") == b"PONG"
         server.pause()
-        started = time.monotonic()
-        results = await asyncio.gather(
-            *(pipeline.execute(b"PING") for _ in range(20)), return_exceptions=True
-        )
-        waited = time.monotonic() - started
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(pipeline.execute(b"PING") for _ in range(20)), return_exceptions=True
+            )
+            waited = time.monotonic() - started
+        finally:
+            server.resume()
         assert all(isinstance(r, redis_errors.TimeoutError) for r in results), results
         assert 0.5 <= waited < 2.0
-        server.resume()
         # The late connection was dropped; the next call opens a new one.
         assert await pipeline.execute(b"PING") == b"PONG"
-    finally:
-        server.resume()
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_a_killed_server_fails_the_calls_and_a_restarted_one_serves_again(
     start_redis,
 ) -> None:
     server = start_redis()
-    client, pipeline = await _pipeline(server.url)
-    try:
+    async with opened(server.url) as (_, pipeline):
         assert await pipeline.execute(b"PING") == b"PONG"
         server.kill()
         with pytest.raises(redis_errors.ConnectionError):
             await pipeline.execute(b"PING")
         server.start()  # the same port
         assert await pipeline.execute(b"PING") == b"PONG"
-    finally:
-        pipeline.close()
-        await client.aclose()
 
 
 async def test_a_store_on_a_dead_server_answers_store_unavailable(
