@@ -25,8 +25,9 @@ def redis_client(url: str, timeout: float, *, max_connections: int | None = None
     No ``socket_timeout``: redis-py would wrap every single reply it reads in a
     timeout of its own, which costs more CPU than the reply (half of reconcile's
     time, measured). The store's deadline (``settings.redis_timeout``) bounds each
-    operation instead, and the coalescer each pipeline; a read they cancel drops
-    its connection. Connecting keeps its own timeout."""
+    operation instead (the listener's own pipelined connection has a watchdog of
+    its own, gateway/pipeline.py); a read they cancel drops its connection.
+    Connecting keeps its own timeout."""
     return Redis.from_url(
         url,
         socket_timeout=None,
