@@ -17,7 +17,7 @@ from gateway import replies
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, ExtractError, HeaderLookup, parse_body
 from gateway.runs import StartResult
-from gateway.store import RunStore
+from gateway.store import Marker, RunStore
 from gateway.triggers import Trigger
 from gateway.verify import VerifySpec, verify
 
@@ -145,6 +145,7 @@ async def handle(
                 trigger.on_params_mismatch,
                 fingerprint=fingerprint_for(trigger, body_digest),
                 bounded=bounded,
+                markers=markers_for(store, trigger, extracted.event_id, body_digest),
             )
             for _, trigger, extracted in claims
         ]
@@ -176,6 +177,28 @@ async def handle(
         {"status": "ok" if status < 400 else "error", "results": [r.as_dict() for r in results]},
         results,
     )
+
+
+def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: str) -> list[Marker]:
+    """What this delivery's claim must also answer for (DESIGN §1, promise 1).
+
+    A key built from something other than the event id (a fixed key, a template) is
+    shared by several events on purpose, and its policies (cancel_existing, rerun,
+    fail) are for *different* events meeting on it: a redelivery of one event must
+    get the run that event got, not a new decision. A key that is the event id needs
+    no marker: the key's own policies say what a redelivery does (rerun_if_failed
+    lets GitHub's "Redeliver" retry a failed run). An event id that is only the
+    body's hash (``missing: content_hash``) is no sender's id: one body may be sent
+    for several events (a nightly cron), and DESIGN §3 lets a singleton rerun on
+    exactly the same body, so it gets no marker either.
+    """
+    markers: list[Marker] = []
+    sender_id = not (trigger.event_id.missing == "content_hash" and event_id == body_digest)
+    if trigger.key.template != "{event_id}" and sender_id:
+        markers.append(store.event_marker(trigger.workflow, trigger.name, event_id))
+    if trigger.replay_guard:
+        markers.append(store.replay_marker(trigger.workflow, trigger.name, body_digest, event_id))
+    return markers
 
 
 def fingerprint_for(trigger: Trigger, body_digest: str) -> str | None:

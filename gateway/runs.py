@@ -194,6 +194,26 @@ def check_key(key: str) -> None:
         )
 
 
+MAX_REQUEST_ID_BYTES = 200
+# Batch run ids are UUIDs derived from the batch id (RFC 4122 version 5), in a
+# namespace of the gateway's own, so a retried batch names the same runs.
+_BATCH_NAMESPACE = uuid.UUID("5b0f6f0e-3c1d-4a52-9d7e-6a1f2b8c4d31")
+
+
+def check_request_id(value: str, field: str = "request_id") -> None:
+    """A caller's id for one call (a start's request id, a batch id)."""
+    if not isinstance(value, str) or not value or len(value.encode()) > MAX_REQUEST_ID_BYTES:
+        raise RealmError(
+            "VALIDATION_PARAMS",
+            f"{field} must be a non-empty string of at most {MAX_REQUEST_ID_BYTES} bytes",
+        )
+
+
+def batch_run_id(workflow: str, batch_id: str, index: int) -> str:
+    """The run id of item ``index`` of batch ``batch_id``: the same on every retry."""
+    return str(uuid.uuid5(_BATCH_NAMESPACE, f"{workflow}\n{batch_id}\n{index}"))
+
+
 class _RandomPool:
     """Random bytes from ``os.urandom``, fetched 4 KiB at a time: one system call per
     256 run ids rather than one per id (measured: a few per cent of a delivery)."""

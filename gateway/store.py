@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from redis import exceptions as redis_errors
@@ -33,8 +33,10 @@ from gateway.runs import (
     StartResult,
     StepResult,
     TerminalMatch,
+    batch_run_id,
     check_key,
     check_policies,
+    check_request_id,
     check_run_id,
     encode_params,
     fingerprint_of,
@@ -45,10 +47,24 @@ from gateway.runs import (
 )
 from gateway.scripts import Scripts
 
-# Items per script call: one call blocks Redis while it runs, so keep each short.
-BATCH_CHUNK = 1_000
+# Script calls one start may make: each `need_run` reply names a run the next call
+# must pass, and a concurrent start on the same key can move it again in between.
+# Each round of calls lets one of the racing starts through, so a start needs at most
+# one call more than the starts racing it; the deadline bounds the rest.
+MAX_CLAIM_CALLS = 256
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A marker key a start reads and writes in its claim (see start_run.lua): ``mode``
+    is ``same`` (a request id), ``dedupe`` (an event id) or ``replay`` (a body digest,
+    tagged with the event id it came with)."""
+
+    key: str
+    mode: str
+    tag: str = ""
 
 
 class RunStore:
@@ -90,12 +106,19 @@ class RunStore:
         fingerprint: str | None = None,
         run_id: str | None = None,
         bounded: bool = True,
+        request_id: str | None = None,
+        markers: Sequence[Marker] = (),
     ) -> StartResult:
         """Start a run, or return the run that owns ``idempotency_key`` (DESIGN §3).
 
         ``fingerprint`` is what a repeat is compared with to flag a params
         mismatch; by default the digest of the canonical params. ``run_id`` is
         for callers that must choose the id themselves; by default a new UUID.
+        ``request_id``: a retry with the same id (within the workflow's retention)
+        gets the first call's result, whatever happened to the key meanwhile; a call
+        that was refused recorded nothing, so its retry is decided afresh.
+        ``markers`` (see ``event_marker`` and ``replay_marker``): events and bodies
+        this start answers for, so that their redelivery is deduplicated.
         ``bounded=False`` skips the store's deadline, for a caller that bounds the
         call with a timer of its own (the webhook path, one timer per delivery).
         """
@@ -106,12 +129,19 @@ class RunStore:
         params_json = encode_params(params)
         if idempotency_key is not None:
             check_key(idempotency_key)
-        new_id = run_id or new_run_id()
         keys = self.keys(workflow)
-        script_keys = [keys.run(new_id), keys.runs(), keys.stream()]
-        if idempotency_key is not None:
-            script_keys += [keys.pointer(idempotency_key), keys.key_runs(idempotency_key)]
-        argv = [
+        if request_id is not None:
+            check_request_id(request_id)
+            markers = [*markers, Marker(keys.request(request_id), "same")]
+        new_id = run_id or new_run_id()
+        run_key = keys.run(new_id)
+        if idempotency_key is None:
+            pointer = keyruns = run_key
+        else:
+            pointer, keyruns = keys.pointer(idempotency_key), keys.key_runs(idempotency_key)
+        head = [run_key, keys.runs(), keys.stream(), pointer, keyruns]
+        tail = [m.key for m in markers]
+        argv: list[Any] = [
             new_id,
             workflow,
             idempotency_key or "",
@@ -124,25 +154,45 @@ class RunStore:
             wf.retention_ms,
             wf.steps[0],
         ]
+        marks = [x for m in markers for x in (m.mode, m.tag)]
         async with self.deadline() if bounded else contextlib.nullcontext():
-            reply = await self._retrying(
-                lambda: self._run_script(self.scripts.start_run, script_keys, argv)
-            )
-            if text_of(reply[0]) == "need_old":
-                # cancel_existing must end the live run in the same script, and keys
-                # are never built inside Lua: name that run's key and call again.
-                # The script re-checks that the key still points at it; if another
-                # start moved the key meanwhile, go again (the deadline bounds it).
-                while True:
-                    old_id = text_of(reply[1])
-                    reply = await self._retrying(
-                        lambda old_id=old_id: self._run_script(
-                            self.scripts.start_run, [*script_keys, keys.run(old_id)], argv
-                        )
+            named = {"pointer": "", "marker": ""}
+            for _ in range(MAX_CLAIM_CALLS):
+                # A repeat needs the hash of the run it names, and keys are never
+                # built inside Lua: the script answers `need_run` naming it, and this
+                # call goes again with it (one more round trip, on repeats only).
+                cur, mrun = named["pointer"], named["marker"]
+                script_keys = [
+                    *head,
+                    keys.run(cur) if cur else run_key,
+                    keys.run(mrun) if mrun else run_key,
+                    *tail,
+                ]
+                reply = await self._retrying(
+                    lambda k=script_keys, a=[*argv, cur, mrun, *marks]: self._run_script(
+                        self.scripts.start_run, k, a
                     )
-                    if text_of(reply[0]) != "need_old":
-                        break
+                )
+                if reply[0] != b"need_run":
+                    break
+                named[text_of(reply[2])] = text_of(reply[1])
+            else:
+                # Concurrent starts kept moving the key between two calls.
+                raise StoreUnavailable(
+                    f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
+                )
         return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
+
+    def event_marker(self, workflow: str, trigger: str, event_id: str) -> Marker:
+        """A redelivery of this event (to this trigger) gets the run the first delivery
+        got, deduplicated, whatever the key's policy says about other events."""
+        return Marker(self.keys(workflow).event(trigger, event_id), "dedupe")
+
+    def replay_marker(self, workflow: str, trigger: str, digest: str, event_id: str) -> Marker:
+        """The replay guard: this verified body seen again under another event id is
+        deduplicated onto the first one's run; under the same event id, the key's
+        policy decides (a real redelivery)."""
+        return Marker(self.keys(workflow).body(trigger, digest), "replay", event_id)
 
     async def start_run_batch(
         self,
@@ -151,17 +201,22 @@ class RunStore:
         on_live_match: LiveMatch = "use_existing",
         on_terminal_match: TerminalMatch = "reuse",
         on_params_mismatch: ParamsMismatch = "flag",
+        *,
+        batch_id: str | None = None,
     ) -> list[BatchEntry]:
         """Start many runs of one workflow; one entry per item, in order.
 
         Every item is checked first: if any fails, nothing starts
         (``VALIDATION_BATCH_ITEMS``). A key repeated within the batch is
         deduplicated against its first item. All items of a workflow share one
-        hash slot, so the batch is one script call (per 1 000 items), not one
-        round trip per item.
+        hash slot, so the whole batch is one script call: all or nothing.
+        ``batch_id``: item i's run id is derived from it, so a retry of the same
+        batch after an unknown outcome (503) starts nothing twice.
         """
         wf = self.config.workflow(workflow)
         check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        if batch_id is not None:
+            check_request_id(batch_id, "batch_id")
         if not isinstance(items, Sequence) or isinstance(items, str | bytes):
             raise RealmError("VALIDATION_BATCH_ITEMS", "items must be a list")
         if not 1 <= len(items) <= MAX_BATCH_ITEMS:
@@ -186,43 +241,46 @@ class RunStore:
                 to_send.append(i)
         outcomes: dict[int, StartResult | RealmError] = {}
         keys = self.keys(workflow)
+        ids = {i: batch_run_id(workflow, batch_id, i) if batch_id else new_run_id()
+               for i in to_send}  # fmt: skip
         common = [workflow, wf.steps_json, on_live_match, on_terminal_match,
                   on_params_mismatch, wf.retention_ms, wf.steps[0]]  # fmt: skip
+        named: dict[int, str] = {}
         async with self.deadline():
-            for start in range(0, len(to_send), BATCH_CHUNK):
-                chunk = to_send[start : start + BATCH_CHUNK]
-                ids = {i: new_run_id() for i in chunk}
-                old: dict[int, str] = {}
-                while True:
-                    script_keys = [keys.runs(), keys.stream()]
-                    argv: list[Any] = list(common)
-                    for i in chunk:
-                        key, params_json, fingerprint = prepared[i]
-                        run_key = keys.run(ids[i])
-                        if key is None:
-                            script_keys += [run_key, run_key, run_key, run_key]
-                        else:
-                            script_keys += [run_key, keys.pointer(key), keys.key_runs(key),
-                                            keys.run(old[i]) if i in old else run_key]  # fmt: skip
-                        argv += [ids[i], key or "", params_json, fingerprint]
-                    reply = await self._retrying(
-                        lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
+            for _ in range(MAX_CLAIM_CALLS):
+                script_keys = [keys.runs(), keys.stream()]
+                argv: list[Any] = list(common)
+                for i in to_send:
+                    key, params_json, fingerprint = prepared[i]
+                    run_key = keys.run(ids[i])
+                    if key is None:
+                        script_keys += [run_key, run_key, run_key, run_key]
+                    else:
+                        script_keys += [run_key, keys.pointer(key), keys.key_runs(key),
+                                        keys.run(named[i]) if i in named else run_key]  # fmt: skip
+                    argv += [ids[i], key or "", params_json, fingerprint, named.get(i, "")]
+                reply = await self._retrying(
+                    lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
+                )
+                if reply[0] != b"need_run":
+                    break
+                # Nothing was written: name the runs the repeats point at, and go again.
+                for n in range(1, len(reply), 2):
+                    named[to_send[int(reply[n]) - 1]] = text_of(reply[n + 1])
+            else:
+                raise StoreUnavailable(
+                    f"keys kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
+                )
+            for n, i in enumerate(to_send):
+                group = reply[6 * n : 6 * n + 6]
+                try:
+                    outcomes[i] = _start_result(
+                        workflow, prepared[i][0], on_live_match, on_terminal_match, group
                     )
-                    if text_of(reply[0]) != "need_old":
-                        break
-                    # Nothing was written: name the live runs to end, and go again.
-                    for n in range(1, len(reply), 2):
-                        old[chunk[int(reply[n]) - 1]] = text_of(reply[n + 1])
-                for n, i in enumerate(chunk):
-                    group = reply[6 * n : 6 * n + 6]
-                    try:
-                        outcomes[i] = _start_result(
-                            workflow, prepared[i][0], on_live_match, on_terminal_match, group
-                        )
-                    except StoreUnavailable:
-                        raise
-                    except RealmError as exc:
-                        outcomes[i] = exc
+                except StoreUnavailable:
+                    raise
+                except RealmError as exc:
+                    outcomes[i] = exc
 
         entries: list[BatchEntry] = []
         for i, (key, _, _) in enumerate(prepared):
@@ -329,12 +387,19 @@ class RunStore:
 
     # -- moving runs on ----------------------------------------------------------------
 
-    async def complete_step(self, run_id: str, step: str) -> StepResult:
-        """Record that ``step`` finished; the run moves to its next step or completes."""
+    async def complete_step(
+        self, run_id: str, step: str, *, op_id: str | None = None
+    ) -> StepResult:
+        """Record that ``step`` finished; the run moves to its next step or completes.
+
+        ``op_id`` names this call (by default a new one): a resend after a lost reply,
+        by the store or by a caller passing the same id within a few minutes, reports
+        what the first attempt did."""
         run = await self.get_run(run_id)
         wf = self.config.workflow(run.workflow)
         keys = self.keys(run.workflow)
-        script_keys = [keys.run(run_id), keys.stream(), *self._key_keys(keys, run)]
+        op = keys.op(_op_id(op_id))
+        script_keys = [keys.run(run_id), keys.stream(), op, *self._key_keys(keys, run)]
         async with self.deadline():
             reply = await self._retrying(
                 lambda: self.scripts.complete_step(script_keys, [run_id, step, wf.retention_ms])
@@ -351,40 +416,47 @@ class RunStore:
             )
         return StepResult(run_id, phase, current if outcome == "advanced" else None)
 
-    async def fail_run(self, run_id: str, error: str = "") -> Run:
-        """End a live run as failed. A run that already ended is refused: STATE_RUN_NOT_LIVE."""
-        outcome, phase = await self._end_run(run_id, "failed", error)
+    async def fail_run(self, run_id: str, error: str = "", *, op_id: str | None = None) -> Run:
+        """End a live run as failed. A run that already ended is refused: STATE_RUN_NOT_LIVE.
+        ``op_id``: as for ``complete_step``."""
+        outcome, phase = await self._end_run(run_id, "failed", error, op_id)
         if outcome == "not_live":
             raise _not_live(run_id, phase)
         return await self.get_run(run_id)
 
-    async def cancel_run(self, run_id: str) -> int:
-        """Cancel a live run: 1. An ended run is left as it is: 0, never an error."""
-        outcome, _ = await self._end_run(run_id, "cancelled", "")
+    async def cancel_run(self, run_id: str, *, op_id: str | None = None) -> int:
+        """Cancel a live run: 1. An ended run is left as it is: 0, never an error.
+        ``op_id``: as for ``complete_step``."""
+        outcome, _ = await self._end_run(run_id, "cancelled", "", op_id)
         return 1 if outcome == "ended" else 0
 
-    async def cancel_key(self, workflow: str, key: str) -> int:
-        """Cancel the live run that ``key`` points at: 1, or 0 when there is none."""
+    async def cancel_key(self, workflow: str, key: str, *, op_id: str | None = None) -> int:
+        """Cancel the live run that ``key`` points at: 1, or 0 when there is none.
+        ``op_id``: as for ``complete_step``."""
         self.config.workflow(workflow)
         check_key(key)
         wf = self.config.workflows[workflow]
         keys = self.keys(workflow)
         pointer = keys.pointer(key)
+        op = keys.op(_op_id(op_id))
         async with self.deadline():
-            while True:  # until the key stays put between read and script
+            for _ in range(MAX_CLAIM_CALLS):  # until the key stays put between read and script
                 run_id = await self._retrying(lambda: self.redis.hget(pointer, "run"))
                 if run_id is None:
                     return 0
                 expected = text_of(run_id)
                 reply = await self._retrying(
                     lambda expected=expected: self.scripts.cancel_key(
-                        [pointer, keys.key_runs(key), keys.run(expected)],
+                        [pointer, keys.key_runs(key), keys.run(expected), op],
                         [expected, wf.retention_ms],
                     )
                 )
                 outcome = text_of(reply[0])
                 if outcome != "moved":
                     return 1 if outcome == "cancelled" else 0
+        raise StoreUnavailable(
+            f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
+        )
 
     async def ping(self) -> None:
         async with self.deadline():
@@ -403,11 +475,13 @@ class RunStore:
 
     # -- internals ---------------------------------------------------------------------
 
-    async def _end_run(self, run_id: str, phase: str, error: str) -> tuple[str, str]:
+    async def _end_run(
+        self, run_id: str, phase: str, error: str, op_id: str | None
+    ) -> tuple[str, str]:
         run = await self.get_run(run_id)
         wf = self.config.workflow(run.workflow)
         keys = self.keys(run.workflow)
-        script_keys = [keys.run(run_id), *self._key_keys(keys, run)]
+        script_keys = [keys.run(run_id), keys.op(_op_id(op_id)), *self._key_keys(keys, run)]
         async with self.deadline():
             reply = await self._retrying(
                 lambda: self.scripts.end_run(script_keys, [run_id, phase, wf.retention_ms, error])
@@ -442,7 +516,8 @@ class RunStore:
         """Run one Redis call; on a dropped connection try once more on a fresh one.
 
         Every script is safe to repeat: a repeated start finds its own run id
-        (the caller-id check), and a repeated end or step finds the run moved on.
+        (the caller-id check), and a repeated end, step, cancel or repair finds the
+        record of its operation id and answers what the first attempt did.
         """
         for attempt in (1, 2):
             try:
@@ -455,21 +530,29 @@ class RunStore:
                 # the call did not run, so going again is safe.
                 if attempt == 2:
                     raise StoreUnavailable("Redis keeps losing its scripts; retry") from None
-            except (
-                redis_errors.OutOfMemoryError,
-                redis_errors.ReadOnlyError,
-                redis_errors.MasterDownError,
-            ) as exc:
-                # Refused before the script ran (scripts declare themselves writers, so
-                # Redis checks first): nothing was written, and a retry later may pass.
-                raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
             except redis_errors.ResponseError as exc:
-                # redis-py maps the codes above to their own classes; MISCONF (a failed
-                # save) it leaves as a plain ResponseError.
-                if str(exc).startswith(("MISCONF", "LOADING")):
-                    raise StoreUnavailable(f"Redis refused the write: {_describe(exc)}") from None
+                # Replies that mean "not now" (redis-py maps some to their own
+                # ResponseError subclasses, and leaves others plain): the command was
+                # refused before it ran, nothing was written, and a retry later may pass.
+                if isinstance(exc, _NOT_NOW) or str(exc).startswith(NOT_NOW_PREFIXES):
+                    raise StoreUnavailable(f"Redis refused the call: {_describe(exc)}") from None
                 raise
         raise AssertionError("unreachable")
+
+
+# Error replies that mean "not now, retry later" (the command did not run): 503
+# STORE_UNAVAILABLE with Retry-After, never 500. BUSY: a script or function is running
+# past its time limit; TRYAGAIN/CLUSTERDOWN: a cluster in the middle of a change;
+# NOREPLICAS: min-replicas-to-write not met; MISCONF: a failed save blocks writes.
+NOT_NOW_PREFIXES = (
+    "BUSY", "LOADING", "READONLY", "MASTERDOWN", "MISCONF", "OOM", "TRYAGAIN",
+    "CLUSTERDOWN", "NOREPLICAS",
+)  # fmt: skip
+_NOT_NOW = (
+    redis_errors.OutOfMemoryError,
+    redis_errors.ReadOnlyError,
+    redis_errors.MasterDownError,
+)
 
 
 class _Deadline:
@@ -547,6 +630,13 @@ def _start_result(
             "on_params_mismatch is 'reject'.",
         )
     raise StoreUnavailable(f"unexpected reply from start_run for key {key!r}: {outcome}")
+
+
+def _op_id(op_id: str | None) -> str:
+    if op_id is None:
+        return new_run_id()
+    check_request_id(op_id, "request_id")
+    return op_id
 
 
 def _parse_cursor(cursor: str | None) -> int:

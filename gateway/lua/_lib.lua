@@ -24,6 +24,31 @@ local function next_score(zset, now_us)
   return score
 end
 
+-- Operation ids (DESIGN §7): a mutating call names a key of its own, realm:{wf}:op:<id>,
+-- and records its reply there. The store resends a call whose reply was lost; the
+-- resend finds the record and reports what the first attempt did, not what a second
+-- decision would say now. Kept for OP_TTL_MS: longer than any resend, and short enough
+-- that the records of a busy gateway stay small.
+local OP_TTL_MS = 120000
+
+local function op_recall(op_key)
+  if not op_key or op_key == '' then
+    return nil
+  end
+  local stored = redis.call('GET', op_key)
+  if not stored then
+    return nil
+  end
+  return cjson.decode(stored)
+end
+
+local function op_remember(op_key, reply)
+  if op_key and op_key ~= '' then
+    redis.call('SET', op_key, cjson.encode(reply), 'PX', OP_TTL_MS)
+  end
+  return reply
+end
+
 -- End a live run: record its final phase, mirror it on the key pointer when
 -- the pointer still names this run, and start the retention clock on both.
 -- `pointer` and `keyruns` may be nil for a run started without a key.
@@ -37,25 +62,44 @@ local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyru
   end
 end
 
--- Does a cancel_existing start have to be called again naming the live run's
--- hash (`old_key`)? Keys are never built here, so the caller names it.
-local function needs_old(pointer, old_key, on_live)
-  if not pointer or on_live ~= 'cancel_existing' then
+-- Does an item of a batch have to be called again naming the hash of the run its
+-- key points at (`cur_id`, the id the caller named, '' if none)? Keys are never
+-- built here, so the caller names it; see `claim`.
+local function needs_cur(pointer, cur_id)
+  if not pointer then
     return false
   end
-  local cur = redis.call('HMGET', pointer, 'run', 'phase')
-  if not cur[1] or cur[2] ~= 'running' then
-    return false
-  end
-  return (not old_key) or redis.call('HGET', old_key, 'id') ~= cur[1]
+  local held = redis.call('HGET', pointer, 'run')
+  return held ~= false and held ~= cur_id
 end
 
--- The claim of DESIGN §3 for one start: decide from the key pointer, and
--- when the decision is a new run, write the run, its indexes, the pointer
--- and the stream entry for the runners, all in this one script call.
--- k: run, index, stream, pointer (nil without a key), keyruns, old (or nil)
+-- Superseded runs of one key kept in its run set: a key rerun forever while always
+-- live (a cancel_existing singleton) must not grow without bound. Older members are
+-- dropped from the set (their run hashes expire on their own).
+local KEYRUNS_KEEP = 1000
+
+-- Write the markers of a start that was decided (a run started or deduplicated):
+-- a redelivery of the same event, a replayed body or a retried request finds them.
+local function mark(k, a, outcome, run_id, rerun_of)
+  for i, marker in ipairs(k.markers) do
+    redis.call('HSET', marker, 'run', run_id, 'outcome', outcome, 'rerun_of', rerun_of,
+      'tag', a.marks[i].tag)
+    redis.call('PEXPIRE', marker, a.retention)
+  end
+end
+
+-- The claim of DESIGN §3 for one start: decide from the markers and the key
+-- pointer, and when the decision is a new run, write the run, its indexes, the
+-- pointer and the stream entry for the runners, all in this one script call.
+-- k: run, index, stream, pointer and keyruns (nil without a key), cur (the hash of
+--    the run the caller believes the pointer names, or nil), mrun (the hash of the
+--    run the caller was told a marker names, or nil), markers (list of marker keys)
 -- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
---    on_mismatch, retention, seq (the item's place in a batch; 0 alone)
+--    on_mismatch, retention, seq (the item's place in a batch; 0 alone),
+--    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
+--    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
+--    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated) or
+--    'replay' (a body digest: a hit only when the tag, the event id, differs)
 -- now: server time in ms; now_us: in microseconds.
 -- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
 local function claim(k, a, now, now_us)
@@ -65,10 +109,44 @@ local function claim(k, a, now, now_us)
     return {'created', a.id, mine[1], mine[2] or '', mine[3] or '', '0'}
   end
 
+  -- Markers: this event, body or request was decided before. A marker whose tag
+  -- differs is a hit only for a replay guard (same body, another event id); a
+  -- marker with no tag of ours ('') is always a hit.
+  for i, marker in ipairs(k.markers) do
+    local m = redis.call('HMGET', marker, 'run', 'outcome', 'rerun_of', 'tag')
+    local mode, tag = a.marks[i].mode, a.marks[i].tag
+    if m[1] and (mode ~= 'replay' or m[4] ~= tag) then
+      if a.mrun_id ~= m[1] then
+        return {'need_run', m[1], 'marker', '', '', '0'}
+      end
+      local r = redis.call('HMGET', k.mrun, 'phase', 'step')
+      if r[1] then
+        if mode == 'same' and m[2] == 'created' then
+          return {'created', m[1], r[1], r[2] or '', m[3] or '', '0'}
+        end
+        return {'existing', m[1], r[1], r[2] or '', '', '0'}
+      end
+      -- The run it names is gone (deleted, evicted): the marker protects nothing.
+      redis.call('DEL', marker)
+    end
+  end
+
   local rerun_of = ''
   if k.pointer then
     local cur = redis.call('HMGET', k.pointer, 'run', 'phase', 'step', 'fp')
     local cur_id, cur_phase, cur_step = cur[1], cur[2], cur[3] or ''
+    if cur_id and cur_id ~= a.cur_id then
+      -- A repeat: every decision below names or ends the key's run, so the caller
+      -- must name its hash (it is checked to exist). One more call, only on repeats.
+      return {'need_run', cur_id, 'pointer', '', '', '0'}
+    end
+    if cur_id and not redis.call('HGET', k.cur, 'id') then
+      -- The pointer names a run that no longer exists (deleted, evicted, a partial
+      -- restore): nothing owns the key, so it is free. Never dedupe onto a 404.
+      redis.call('DEL', k.pointer)
+      redis.call('ZREM', k.keyruns, cur_id)
+      cur_id = nil
+    end
     if cur_id then
       local mismatch = (cur[4] ~= a.fp) and '1' or '0'
       local existing = 'existing'
@@ -81,11 +159,9 @@ local function claim(k, a, now, now_us)
           refusal = existing
         elseif a.on_live == 'fail' then
           refusal = 'active'
-        elseif not k.old or redis.call('HGET', k.old, 'id') ~= cur_id then
-          refusal = 'need_old'
         else
           -- cancel_existing: end the live run and start the new one right here.
-          end_run(k.old, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns)
+          end_run(k.cur, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns)
         end
       elseif a.on_terminal == 'reuse' then
         refusal = existing
@@ -96,6 +172,9 @@ local function claim(k, a, now, now_us)
       end
       -- Otherwise: rerun, or rerun_if_failed after a failed or cancelled run.
       if refusal then
+        if refusal == 'existing' then
+          mark(k, a, 'existing', cur_id, '')
+        end
         return {refusal, cur_id, cur_phase, cur_step, '', mismatch}
       end
       rerun_of = cur_id
@@ -121,6 +200,10 @@ local function claim(k, a, now, now_us)
     redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
     redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
     redis.call('PERSIST', k.keyruns)
+    if rerun_of ~= '' then
+      redis.call('ZREMRANGEBYRANK', k.keyruns, 0, -(KEYRUNS_KEEP + 1))
+    end
   end
+  mark(k, a, 'created', a.id, rerun_of)
   return {'created', a.id, 'running', first, rerun_of, '0'}
 end

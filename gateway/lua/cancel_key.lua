@@ -8,19 +8,26 @@ never cancelled by mistake.
 KEYS[1]  key pointer                   realm:{wf}:key:<key>
 KEYS[2]  runs of this key              realm:{wf}:keyruns:<key>
 KEYS[3]  run hash the caller read      realm:{wf}:run:<id>
+KEYS[4]  operation record              realm:{wf}:op:<op id>
 
 ARGV[1] run id the caller read   ARGV[2] retention in ms
 
 Reply: {outcome, run_id}
   cancelled   that run was live and is now cancelled
   not_live    the key's run had already ended; nothing changed
-  no_key      the key points at no run
+  no_key      the key points at no run (or at one that no longer exists: the
+              pointer is removed, so the key is free)
   moved       the key now points at run_id: read it again and retry
+A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
-local pointer, keyruns, run_key = KEYS[1], KEYS[2], KEYS[3]
+local pointer, keyruns, run_key, op = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expected, retention_ms = ARGV[1], ARGV[2]
 
+local recalled = op_recall(op)
+if recalled then
+  return recalled
+end
 local cur = redis.call('HMGET', pointer, 'run', 'phase')
 if not cur[1] then
   return {'no_key', ''}
@@ -28,8 +35,14 @@ end
 if cur[1] ~= expected then
   return {'moved', cur[1]}
 end
+if not redis.call('HGET', run_key, 'id') then
+  -- The pointer names a run that no longer exists: nothing is live under the key.
+  redis.call('DEL', pointer)
+  redis.call('ZREM', keyruns, expected)
+  return {'no_key', ''}
+end
 if cur[2] ~= 'running' then
-  return {'not_live', cur[1]}
+  return op_remember(op, {'not_live', cur[1]})
 end
 end_run(run_key, expected, 'cancelled', now_ms(), retention_ms, pointer, keyruns)
-return {'cancelled', expected}
+return op_remember(op, {'cancelled', expected})

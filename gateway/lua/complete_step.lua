@@ -3,8 +3,9 @@
 
 KEYS[1]  run hash                      realm:{wf}:run:<id>
 KEYS[2]  stream the runners read       realm:{wf}:stream
-KEYS[3]  key pointer (optional)        realm:{wf}:key:<key>
-KEYS[4]  runs of this key (with 3)     realm:{wf}:keyruns:<key>
+KEYS[3]  operation record              realm:{wf}:op:<op id>
+KEYS[4]  key pointer (optional)        realm:{wf}:key:<key>
+KEYS[5]  runs of this key (with 4)     realm:{wf}:keyruns:<key>
 
 ARGV[1] run id   ARGV[2] the step that finished   ARGV[3] retention in ms
 
@@ -14,10 +15,16 @@ Reply: {outcome, phase, step}
   not_found   no such run (never existed, or expired)
   not_live    the run has ended (phase says how): STATE_RUN_NOT_LIVE
   wrong_step  ARGV[2] is not the current step (step names the current one)
+A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
-local run_key, stream, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local run_key, stream, op, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local run_id, done_step, retention_ms = ARGV[1], ARGV[2], ARGV[3]
+
+local recalled = op_recall(op)
+if recalled then
+  return recalled
+end
 
 local run = redis.call('HMGET', run_key, 'id', 'phase', 'step', 'steps', 'workflow', 'params')
 if not run[1] then
@@ -43,7 +50,7 @@ end
 
 if next_step == nil then
   end_run(run_key, run_id, 'completed', now, retention_ms, pointer, keyruns)
-  return {'completed', 'completed', step}
+  return op_remember(op, {'completed', 'completed', step})
 end
 redis.call('HSET', run_key, 'step', next_step, 'updated_ms', now)
 if pointer and redis.call('HGET', pointer, 'run') == run_id then
@@ -51,4 +58,4 @@ if pointer and redis.call('HGET', pointer, 'run') == run_id then
 end
 redis.call('XADD', stream, '*', 'run_id', run_id, 'workflow', run[5], 'step', next_step,
   'params', run[6])
-return {'advanced', 'running', next_step}
+return op_remember(op, {'advanced', 'running', next_step})

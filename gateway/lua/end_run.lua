@@ -2,8 +2,9 @@
 --[[ end_run: fail or cancel a run by id.
 
 KEYS[1]  run hash                      realm:{wf}:run:<id>
-KEYS[2]  key pointer (optional)        realm:{wf}:key:<key>
-KEYS[3]  runs of this key (with 2)     realm:{wf}:keyruns:<key>
+KEYS[2]  operation record              realm:{wf}:op:<op id>
+KEYS[3]  key pointer (optional)        realm:{wf}:key:<key>
+KEYS[4]  runs of this key (with 3)     realm:{wf}:keyruns:<key>
 
 ARGV[1] run id   ARGV[2] final phase: failed | cancelled
 ARGV[3] retention in ms   ARGV[4] error text (recorded for failed runs; may be '')
@@ -12,10 +13,16 @@ Reply: {outcome, phase}
   ended       the run was live and now has ARGV[2] as its phase
   not_live    the run had already ended (phase says how); nothing changed
   not_found   no such run (never existed, or expired)
+A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
-local run_key, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3]
+local run_key, op, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local run_id, final_phase, retention_ms, error_text = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+
+local recalled = op_recall(op)
+if recalled then
+  return recalled
+end
 
 local phase = redis.call('HGET', run_key, 'phase')
 if not phase then
@@ -28,4 +35,4 @@ if error_text ~= '' then
   redis.call('HSET', run_key, 'error', error_text)
 end
 end_run(run_key, run_id, final_phase, now_ms(), retention_ms, pointer, keyruns)
-return {'ended', final_phase}
+return op_remember(op, {'ended', final_phase})
