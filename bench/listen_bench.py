@@ -387,10 +387,11 @@ def redis_benchmark(r: redis.Redis, port: int) -> list[tuple[str, float, float]]
          ["EVALSHA", minimal, "3", "b:key:__rand_int__", "b:run:__rand_int__", "b:stream",
           "run-id", "acme/api", "a" * 40]),
         ("gateway start_run.lua (new key)",
-         ["EVALSHA", start_run, "5", "realm:{b}:run:__rand_int__", "realm:{b}:runs",
+         ["EVALSHA", start_run, "7", "realm:{b}:run:__rand_int__", "realm:{b}:runs",
           "realm:{b}:stream", "realm:{b}:key:__rand_int__", "realm:{b}:keyruns:__rand_int__",
+          "realm:{b}:run:__rand_int__", "realm:{b}:run:__rand_int__",
           "run-id", "b", "key", params, "f" * 64, '["fetch","build","release"]',
-          "use_existing", "reuse", "flag", "604800000", "fetch"]),
+          "use_existing", "reuse", "flag", "604800000", "fetch", "", ""]),
     ]  # fmt: skip
     results = []
     for label, command in cases:

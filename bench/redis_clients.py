@@ -305,6 +305,8 @@ def make_calls(n: int, scenario: str) -> tuple[list[tuple[list[str], list[Any]]]
             KEYS.stream(),
             KEYS.pointer(key),
             KEYS.key_runs(key),
+            KEYS.run(new_id),  # no run named by a `need_run` reply yet
+            KEYS.run(new_id),
         ]
         argv = [
             new_id,
@@ -318,6 +320,8 @@ def make_calls(n: int, scenario: str) -> tuple[list[tuple[list[str], list[Any]]]
             "flag",
             RETENTION_MS,
             "fetch",
+            "",  # a repeat answers `need_run` (the store's second call names the run);
+            "",  # the repeat scenario measures that first call, which decides it
         ]
         calls.append((script_keys, argv))
     return calls, distinct
