@@ -20,10 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from gateway.errors import RealmError
+from gateway.errors import ConfigError, RealmError
 from gateway.runs import LIVE_MATCH, TERMINAL_MATCH
 from gateway.store import RunStore
+from gateway.triggers import parse_triggers
 from tests.listener import Listener
 from tests.servers import RedisServer
 
@@ -297,3 +299,49 @@ def test_a_captured_github_body_sent_with_a_new_delivery_id_starts_nothing(
         [result] = [r for r in replay.json()["results"] if r["workflow"] == "deploy"]
         assert (result["outcome"], result["run_id"]) == ("deduplicated", run_id)
     assert db.zcard("realm:{deploy}:runs") == 1
+
+
+# ------------------------------------------------------------------ the replay guard's setting
+
+
+def _one_trigger(verify: str, extra: str = "") -> str:
+    return f"""
+t:
+  workflow: deploy
+  path: /hooks/x
+  verify: {verify}
+  event_id: {{header: X-Id}}
+{extra}"""
+
+
+@pytest.mark.parametrize(
+    ("verify", "default"),
+    [
+        ("{scheme: github, secret_env: S}", True),
+        ("{scheme: hmac, secret_env: S, header: X-Sig}", False),
+        ("{scheme: token, secret_env: S, header: X-Token}", False),
+        ("{scheme: none}", False),
+    ],
+)
+def test_the_replay_guard_is_on_by_default_only_for_github(verify: str, default: bool) -> None:
+    raw = yaml.safe_load(_one_trigger(verify))
+    env = {"S": "secret"}
+    trigger = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env=env)["t"]
+    assert trigger.replay_guard is default
+    raw["t"]["replay_guard"] = not default
+    flipped = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env=env)["t"]
+    assert flipped.replay_guard is not default
+
+
+@pytest.mark.parametrize(
+    ("verify", "value", "reason"),
+    [
+        ("{scheme: stripe, secret_env: S}", "true", "is not needed with scheme stripe"),
+        ("{scheme: github, secret_env: S}", "yes please", "must be true or false"),
+    ],
+)
+def test_a_wrong_replay_guard_is_refused(verify: str, value: str, reason: str) -> None:
+    raw = yaml.safe_load(_one_trigger(verify, f"  replay_guard: {value}"))
+    with pytest.raises(ConfigError) as refused:
+        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={"S": "whsec_c2VjcmV0"})
+    assert "replay_guard" in str(refused.value) and reason in str(refused.value)
