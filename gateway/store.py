@@ -305,12 +305,27 @@ class RunStore:
         on_terminal_match: str,
         on_params_mismatch: str,
         fingerprint: str,
+        markers: Sequence[Marker] = (),
     ) -> tuple[Decision, KeyState | None]:
-        """What ``start_run`` would decide now, and the key's state; writes nothing."""
+        """What ``start_run`` would decide now, and the key's state; writes nothing.
+        A marker that the claim would find (a redelivered event, a replayed body)
+        decides first, as in the script: the run it names, deduplicated."""
         self.config.workflow(workflow)
+        keys = self.keys(workflow)
+        async with self.deadline():
+            for marker in markers:
+                run, tag = await self._retrying(
+                    lambda m=marker: self.redis.hmget(m.key, ["run", "tag"])
+                )
+                if run is None or (marker.mode == "replay" and text_of(tag) == marker.tag):
+                    continue
+                run_key = keys.run(text_of(run))
+                phase = await self._retrying(lambda k=run_key: self.redis.hget(k, "phase"))
+                if phase is not None:
+                    return "existing", KeyState(text_of(run), text_of(phase), "")
         if idempotency_key is None:
             return "start", None
-        pointer = self.keys(workflow).pointer(idempotency_key)
+        pointer = keys.pointer(idempotency_key)
         async with self.deadline():
             run, phase, fp = await self._retrying(
                 lambda: self.redis.hmget(pointer, ["run", "phase", "fp"])

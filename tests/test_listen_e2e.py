@@ -1146,7 +1146,7 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
     body_file.write_bytes(body)
     delivery = f"abc-{uuid.uuid4().hex[:8]}"
 
-    def dry_run() -> subprocess.CompletedProcess[str]:
+    def dry_run(delivery: str = delivery) -> subprocess.CompletedProcess[str]:
         return realm_cli(
             "triggers",
             "test",
@@ -1203,6 +1203,15 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
     assert db.xlen(DEPLOY.stream()) == 1
     for secret in SECRETS:
         assert secret not in result.stdout + result.stderr
+
+    # The same body under another delivery id: the dry run predicts what the
+    # replay guard makes the live claim do.
+    result = dry_run(f"replayed-{uuid.uuid4().hex[:8]}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"  result: a claim now would return run {run_id} (deduplicated, phase 'running')"
+    )
+    assert db.dbsize() == size
 
 
 # --------------------------------------------------------------------------- shipped config
