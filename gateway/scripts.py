@@ -19,6 +19,7 @@ SCRIPT_NAMES = (
     "end_run",
     "cancel_key",
     "repoint",
+    "sweep",
 )
 
 
@@ -43,6 +44,7 @@ class Scripts:
         self.end_run: AsyncScript = redis.register_script(script_source("end_run"))
         self.cancel_key: AsyncScript = redis.register_script(script_source("cancel_key"))
         self.repoint: AsyncScript = redis.register_script(script_source("repoint"))
+        self.sweep: AsyncScript = redis.register_script(script_source("sweep"))
 
     def all(self) -> tuple[AsyncScript, ...]:
         return (
@@ -52,4 +54,5 @@ class Scripts:
             self.end_run,
             self.cancel_key,
             self.repoint,
+            self.sweep,
         )

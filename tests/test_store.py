@@ -14,6 +14,7 @@ from gateway.keys import Keys
 from gateway.reconcile import reconcile
 from gateway.scripts import SCRIPT_NAMES
 from gateway.store import RunStore
+from gateway.sweep import sweep
 
 KEYS = Keys("realm", "sync")
 
@@ -436,6 +437,7 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     await store.start_run_batch("sync", [{"idempotency_key": "k"}], on_live_match="cancel_existing")
     await redis.delete(KEYS.pointer("j"))
     await reconcile(store, dry_run=False)
+    await sweep(store, "sync")
 
     assert {name for name, _ in seen} == set(SCRIPT_NAMES)
     for name, keys in seen:

@@ -28,7 +28,8 @@ end
 -- and records its reply there. The store resends a call whose reply was lost; the
 -- resend finds the record and reports what the first attempt did, not what a second
 -- decision would say now. Kept for OP_TTL_MS: longer than any resend, and short enough
--- that the records of a busy gateway stay small.
+-- that the records of a busy gateway stay small; never longer than the workflow's
+-- retention, after which the run itself is gone and a resend learns that instead.
 local OP_TTL_MS = 120000
 
 local function op_recall(op_key)
@@ -42,9 +43,10 @@ local function op_recall(op_key)
   return cjson.decode(stored)
 end
 
-local function op_remember(op_key, reply)
+local function op_remember(op_key, reply, retention_ms)
   if op_key and op_key ~= '' then
-    redis.call('SET', op_key, cjson.encode(reply), 'PX', OP_TTL_MS)
+    local ttl = math.min(OP_TTL_MS, tonumber(retention_ms) or OP_TTL_MS)
+    redis.call('SET', op_key, cjson.encode(reply), 'PX', ttl)
   end
   return reply
 end

@@ -42,7 +42,7 @@ if not redis.call('HGET', run_key, 'id') then
   return {'no_key', ''}
 end
 if cur[2] ~= 'running' then
-  return op_remember(op, {'not_live', cur[1]})
+  return op_remember(op, {'not_live', cur[1]}, retention_ms)
 end
 end_run(run_key, expected, 'cancelled', now_ms(), retention_ms, pointer, keyruns)
-return op_remember(op, {'cancelled', expected})
+return op_remember(op, {'cancelled', expected}, retention_ms)

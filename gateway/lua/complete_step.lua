@@ -50,7 +50,7 @@ end
 
 if next_step == nil then
   end_run(run_key, run_id, 'completed', now, retention_ms, pointer, keyruns)
-  return op_remember(op, {'completed', 'completed', step})
+  return op_remember(op, {'completed', 'completed', step}, retention_ms)
 end
 redis.call('HSET', run_key, 'step', next_step, 'updated_ms', now)
 if pointer and redis.call('HGET', pointer, 'run') == run_id then
@@ -58,4 +58,4 @@ if pointer and redis.call('HGET', pointer, 'run') == run_id then
 end
 redis.call('XADD', stream, '*', 'run_id', run_id, 'workflow', run[5], 'step', next_step,
   'params', run[6])
-return op_remember(op, {'advanced', 'running', next_step})
+return op_remember(op, {'advanced', 'running', next_step}, retention_ms)

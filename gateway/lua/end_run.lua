@@ -35,4 +35,4 @@ if error_text ~= '' then
   redis.call('HSET', run_key, 'error', error_text)
 end
 end_run(run_key, run_id, final_phase, now_ms(), retention_ms, pointer, keyruns)
-return op_remember(op, {'ended', final_phase})
+return op_remember(op, {'ended', final_phase}, retention_ms)

@@ -1,0 +1,64 @@
+#!lua flags=allow-oom
+--[[ sweep: one bounded step of trimming a workflow's run index and ready stream.
+
+KEYS[1]  index of all runs (zset, by start)  realm:{wf}:runs
+KEYS[2]  stream the runners read            realm:{wf}:stream
+KEYS[3]  sweep position (string: a score)   realm:{wf}:sweep
+KEYS[4..] the run hash of each id in ARGV[5..], in the same order   realm:{wf}:run:<id>
+
+ARGV[1] the position the caller read from KEYS[3] before reading the ids ('' = none:
+        the walk was at the start of the index)
+ARGV[2] the position to store: the score of the last id read ('' = the read reached
+        the end of the index: the next walk starts over)
+ARGV[3] stream retention in ms: entries whose id is older than TIME minus this go
+ARGV[4] stream trim limit: entries an approximate trim may remove in this call
+ARGV[5..] run ids the caller read from the index from ARGV[1] on
+
+Reply: {outcome, removed, trimmed, exact}
+  swept    the index ids whose run hash no longer exists (their run ended and expired,
+           or was deleted) were removed from the index: `removed` of them
+  moved    another sweeper moved the position since ARGV[1] was read: the index was
+           left alone (it does the chunk), so replicas share one walk
+  trimmed  stream entries removed, both outcomes; exact = '1' when this call trimmed
+           exactly (the approximate trim had nothing left to remove), '0' otherwise
+
+A live run's hash never expires, so a live run is never removed from the index. The
+index is only written here when the position is still ARGV[1]: one compare-and-set.
+Flags: allow-oom, because this is what frees memory when a server at maxmemory
+(noeviction) refuses every start; it writes nothing but the small position.
+]]
+
+local index, stream, position = KEYS[1], KEYS[2], KEYS[3]
+local read_from, go_on_from = ARGV[1], ARGV[2]
+local stream_retention_ms, trim_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+
+local outcome, removed = 'moved', 0
+if (redis.call('GET', position) or '') == read_from then
+  outcome = 'swept'
+  for i = 5, #ARGV do
+    if redis.call('EXISTS', KEYS[i - 1]) == 0 then
+      removed = removed + redis.call('ZREM', index, ARGV[i])
+    end
+  end
+  if go_on_from == '' then
+    redis.call('DEL', position)
+  else
+    redis.call('SET', position, go_on_from)
+  end
+end
+
+-- Stream entry ids are the server's ms at XADD ('*'), so age is read from the id.
+-- The approximate trim drops whole macro nodes only (cheap, bounded by the limit);
+-- once it finds none to drop, an exact trim removes the old entries left in the one
+-- node that straddles the threshold (at most a node's worth: stream-node-max-entries),
+-- so an idle stream goes back to empty rather than keeping a last node forever.
+local threshold = now_ms() - stream_retention_ms
+local trimmed, exact = 0, '0'
+if threshold > 0 then
+  trimmed = redis.call('XTRIM', stream, 'MINID', '~', threshold, 'LIMIT', trim_limit)
+  if trimmed == 0 then
+    trimmed = redis.call('XTRIM', stream, 'MINID', threshold)
+    exact = '1'
+  end
+end
+return {outcome, removed, trimmed, exact}
