@@ -35,14 +35,19 @@ WORKFLOW_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 RETENTION = re.compile(r"^([1-9][0-9]*)([dhms])$")
 RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 DEFAULT_RETENTION = "7d"
-WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "description"}
+WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "description"}
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
-SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight"}
+SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight",
+                   "max_buffered_body_bytes", "max_header_bytes"}  # fmt: skip
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
 DEFAULT_BODY_TIMEOUT = 10.0  # seconds to receive a whole body: a slow sender gets 408
 DEFAULT_MAX_IN_FLIGHT = 1000  # deliveries past their body read, per worker; more get 503
+# Bytes of bodies one worker holds for deliveries not yet answered (never less than
+# max_body_bytes); more get 503 OVERLOADED at once (gateway/webhooks.py BodyBudget).
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more get 431 (gateway/edge.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,9 @@ class Workflow:
     steps: tuple[str, ...]
     retention_ms: int
     params_schema: Mapping[str, Any] | None = None
+    # How long a ready step's stream entry is kept (gateway/sweep.py trims older
+    # ones); 0 means the same as retention_ms.
+    stream_retention_ms: int = 0
     _validator: Any = field(default=None, repr=False, compare=False)
     # A compiled yes/no check for schemas where it agrees with jsonschema (see
     # _fast_check_for); jsonschema stays the authority and writes the messages.
@@ -97,6 +105,8 @@ class Settings:
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -111,9 +121,12 @@ class Config:
             return self.workflows[name]
         except KeyError:
             known = ", ".join(sorted(self.workflows)) or "none"
+            # The file's base name only: callers of the API need not learn the
+            # gateway's directory layout.
             raise RealmError(
                 "NOT_FOUND_WORKFLOW",
-                f"Workflow '{name}' is not defined in {self.file} (defined: {known}).",
+                f"Workflow '{name}' is not defined in {os.path.basename(self.file)} "
+                f"(defined: {known}).",
             ) from None
 
 
@@ -141,13 +154,7 @@ def parse_config(
     with_triggers: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> Config:
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(file, f"not valid YAML{where}: {problem}") from None
+    doc = load_yaml(text, file)
     if not isinstance(doc, dict):
         raise ConfigError(file, "must be a mapping with 'version', 'workflows' and 'triggers'")
     unknown = sorted(str(k) for k in doc if k not in TOP_FIELDS)
@@ -155,8 +162,9 @@ def parse_config(
         raise ConfigError(
             file, f"unknown top-level field(s) {unknown}; allowed: {sorted(TOP_FIELDS)}"
         )
-    if doc.get("version") != 1:
-        raise ConfigError(file, f"field 'version' must be 1 (got {doc.get('version')!r})")
+    version = doc.get("version")
+    if type(version) is not int or version != 1:  # `version: true` is not 1
+        raise ConfigError(file, f"field 'version' must be 1 (got {_clip(repr(version))})")
     workflows = _parse_workflows(doc.get("workflows"), file)
     settings = _parse_settings(doc.get("settings"), file)
     triggers: Mapping[str, Trigger] = {}
@@ -184,7 +192,7 @@ def parse_config(
 
 def parse_retention(value: object) -> int:
     """``7d``, ``36h``, ``90m``, ``30s`` → milliseconds. Raises ValueError."""
-    match = RETENTION.match(value) if isinstance(value, str) else None
+    match = RETENTION.fullmatch(value) if isinstance(value, str) else None
     if not match:
         raise ValueError(f"must be a duration like '7d', '36h' or '90m' (got {value!r})")
     return int(match.group(1)) * RETENTION_UNIT_MS[match.group(2)]
@@ -200,7 +208,7 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
     def error(field_name: str | None, message: str) -> ConfigError:
         return ConfigError(file, message, section="workflow", name=str(name), field=field_name)
 
-    if not isinstance(name, str) or not WORKFLOW_NAME.match(name):
+    if not isinstance(name, str) or not WORKFLOW_NAME.fullmatch(name):
         raise error(
             None,
             "workflow names use letters, digits, '_', '.' and '-' (at most 100, "
@@ -227,6 +235,12 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         retention_ms = parse_retention(raw.get("retention", DEFAULT_RETENTION))
     except ValueError as exc:
         raise error("retention", str(exc)) from None
+    stream_retention_ms = retention_ms  # readers may need the entries longer, or shorter
+    if "stream_retention" in raw:
+        try:
+            stream_retention_ms = parse_retention(raw["stream_retention"])
+        except ValueError as exc:
+            raise error("stream_retention", str(exc)) from None
 
     schema = raw.get("params_schema")
     validator = None
@@ -243,17 +257,18 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
             # to nowhere is a config error here rather than a 500 on every delivery.
             list(validator.iter_errors({}))
         except SchemaError as exc:
-            where = _json_path(exc.absolute_path)
+            where = _clip(_json_path(exc.absolute_path))
             raise error(
-                "params_schema", f"not a valid JSON Schema at {where}: {exc.message}"
+                "params_schema", f"not a valid JSON Schema at {where}: {_clip(exc.message)}"
             ) from None
-        except (Unresolvable, TypeError, ValueError, AttributeError) as exc:
+        except (Unresolvable, TypeError, ValueError, AttributeError, RecursionError) as exc:
             # Unresolvable: jsonschema's error for a $ref it cannot resolve.
-            raise error("params_schema", f"cannot be used: {exc}") from None
+            raise error("params_schema", f"cannot be used: {_clip(str(exc))}") from None
     return Workflow(
         name=name,
         steps=tuple(steps),
         retention_ms=retention_ms,
+        stream_retention_ms=stream_retention_ms,
         params_schema=schema,
         _validator=validator,
         _fast_check=_fast_check_for(schema) if schema is not None else None,
@@ -324,7 +339,124 @@ def _parse_settings(raw: object, file: str) -> Settings:
     in_flight = raw.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT)
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise error("max_in_flight", f"must be a positive integer (got {in_flight!r})")
-    return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight, **timeouts)
+    sizes = {}
+    for name, default, least, floor in (
+        ("max_buffered_body_bytes", max(DEFAULT_MAX_BUFFERED_BODY_BYTES, max_body), max_body,
+         f"max_body_bytes ({max_body})"),
+        ("max_header_bytes", DEFAULT_MAX_HEADER_BYTES, 1024, "1024"),
+    ):  # fmt: skip
+        value = raw.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise error(name, f"must be an integer of at least {floor} (got {value!r})")
+        sizes[name] = value
+    return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
+                    **timeouts, **sizes)  # fmt: skip
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """A message part quoting the file's content, cut short: an error is one line
+    for a person to read, however large the value it quotes."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- YAML
+
+# A triggers.yaml is a few hundred nodes; aliases may share a block (a `verify`
+# used by several triggers) but not multiply it into millions (an alias bomb).
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what a config must never mean silently:
+    a key written twice (YAML keeps the last one, so a second `verify:` would
+    replace the first), aliases that expand past MAX_YAML_NODES, recursive
+    anchors and nesting past MAX_YAML_DEPTH. Each error carries its line."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_node_graph(node)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: its keys may be overridden, on purpose
+            key = self.construct_object(key_node)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class says so
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {_clip(repr(key), 60)} (first at line "
+                    f"{first.start_mark.line + 1}); write each key once",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_node_graph(root: yaml.Node | None) -> None:
+    """Refuse recursive anchors, alias bombs and deep nesting, in time linear in
+    the number of distinct nodes (a shared node is sized once)."""
+    if root is None:
+        return
+    size: dict[int, int] = {}  # id(node) → expanded node count, capped
+    active: set[int] = set()  # nodes on the current path: meeting one is a cycle
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        children = _children(node)
+        if done:
+            active.discard(id(node))
+            size[id(node)] = min(MAX_YAML_NODES + 1, 1 + sum(size[id(c)] for c in children))
+            if size[id(node)] > MAX_YAML_NODES:
+                _refuse(node, f"aliases expand to more than {MAX_YAML_NODES} values")
+            continue
+        if id(node) in size:
+            continue
+        if depth > MAX_YAML_DEPTH:
+            _refuse(node, f"nested more than {MAX_YAML_DEPTH} levels deep")
+        active.add(id(node))
+        stack.append((node, depth, True))
+        for child in children:
+            if id(child) in active:
+                _refuse(child, "an anchor is used inside itself (a recursive alias)")
+            if id(child) not in size:
+                stack.append((child, depth + 1, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _refuse(node: yaml.Node, problem: str) -> None:
+    raise yaml.composer.ComposerError(None, None, problem, node.start_mark)
+
+
+def load_yaml(text: str, file: str) -> object:
+    """Parse YAML text with _StrictLoader; any problem is a one-line ConfigError."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(file, f"not valid YAML{where}: {_clip(problem)}") from None
+    except RecursionError:
+        raise ConfigError(
+            file, f"not valid YAML: nested more than {MAX_YAML_DEPTH} levels deep"
+        ) from None
+    except ValueError as exc:  # e.g. `2024-13-45`, read as a date
+        raise ConfigError(file, f"not valid YAML: {_clip(str(exc))}") from None
 
 
 def _json_path(path: Any) -> str:

@@ -9,10 +9,10 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from gateway.delivery import fingerprint_for
+from gateway.delivery import fingerprint_for, markers_for
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, parse_body
-from gateway.runs import canonical_params, fingerprint_of
+from gateway.runs import canonical_params, check_key, fingerprint_of
 from gateway.store import RunStore
 from gateway.triggers import Trigger
 from gateway.verify import sign as sign_body
@@ -68,6 +68,9 @@ async def dry_run(
         try:
             extracted = trigger.extract(lookup, doc, body)
             entry.update(event_id=extracted.event_id, key=extracted.key, params=extracted.params)
+            # The checks start_run applies before its claim (extract already
+            # bounds the key's length; check_key is the store's own word on it).
+            check_key(extracted.key)
             store.config.workflow(trigger.workflow).check_params(extracted.params)
         except RealmError as exc:
             entry["result"] = f"422: {exc.code}: {exc.message}"
@@ -78,6 +81,7 @@ async def dry_run(
                 trigger.on_terminal_match, trigger.on_params_mismatch,
                 fingerprint_for(trigger, body_digest)
                 or fingerprint_of(canonical_params(extracted.params)),
+                markers=markers_for(store, trigger, extracted.event_id, body_digest),
             )  # fmt: skip
         except StoreUnavailable as exc:
             entry["result"] = f"claim unknown: {exc.message}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from jsonpath_ng import JSONPath
 from jsonpath_ng.ext import parse as jsonpath_parse
 
 from gateway.errors import RealmError
+from gateway.runs import MAX_KEY_BYTES
 
 __all__ = [
     "VALIDATION_EVENT_ID",
@@ -29,6 +32,7 @@ __all__ = [
     "Condition",
     "EventIdSource",
     "ExtractError",
+    "FormFields",
     "HeaderLookup",
     "KeyTemplate",
     "Missing",
@@ -59,6 +63,13 @@ _TCHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 _MAX_FORM_FIELDS = 1000
 # Values quoted in reasons are the sender's data: keep log lines and replies short.
 _MAX_SHOWN = 80
+# orjson keeps integers in [-2**63, 2**64) exact and turns larger ones into the
+# nearest double; a double this large in an id or key part may be such an integer.
+_INEXACT_FROM = 2.0**63
+FORM_LOOKS_LIKE_JSON = (
+    "the body was sent as application/x-www-form-urlencoded but looks like JSON; "
+    "send Content-Type: application/json"
+)
 
 
 class BodyError(ValueError):
@@ -67,6 +78,18 @@ class BodyError(ValueError):
 
 class ExtractError(RealmError):
     """A matched delivery lacks what its trigger needs (event id, key part): a 422."""
+
+
+class InexactNumber(Exception):
+    """A number an id or key part needs may have lost digits in the fast parse:
+    ``Trigger.extract`` parses the body again with exact integers."""
+
+
+class FormFields(dict[str, Any]):
+    """A form body's fields. ``json_hint`` is set when the body has no ``payload``
+    field but reads as JSON (what ``curl -d`` sends): the sender meant JSON."""
+
+    json_hint: str | None = None
 
 
 class HeaderLookup(Protocol):
@@ -86,39 +109,54 @@ def is_header_name(name: object) -> bool:
 # --------------------------------------------------------------------------- body
 
 
-def parse_body(body: bytes, content_type: str | None) -> object:
+def parse_body(body: bytes, content_type: str | None, *, exact: bool = False) -> object:
     """Decode a delivery body: JSON, or a form (GitHub's form-encoded ``payload``).
 
-    Raises ``BodyError`` and nothing else: the body is untrusted input, and a
-    crash here would turn a bad request into a 500.
+    ``exact``: every integer exactly as written, however long (slower; orjson
+    turns integers beyond 64 bits into doubles). Raises ``BodyError`` and nothing
+    else: the body is untrusted input, and a crash here would turn a bad request
+    into a 500.
     """
     if not body:
         raise BodyError("empty body")
     media = (content_type or "").split(";", 1)[0].strip().lower()
     try:
         if media == "application/x-www-form-urlencoded":
-            return _parse_form(body)
-        return _parse_json(body, what="body")
+            return _parse_form(body, exact=exact)
+        return _parse_json(body, what="body", exact=exact)
     except BodyError:
         raise
     except Exception as exc:  # see docstring: no other exception may escape
         raise BodyError(f"body could not be parsed ({type(exc).__name__})") from None
 
 
-def _parse_json(data: bytes, *, what: str) -> object:
+def _parse_json(data: bytes, *, what: str, exact: bool = False) -> object:
     try:
         # orjson caps nesting at 1024 levels itself, so deep input is a
         # JSONDecodeError, never a RecursionError.
-        return orjson.loads(data)
+        doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise BodyError(f"{what} is not valid UTF-8") from None
         raise BodyError(f"{what} is not valid JSON: {exc}") from None
+    if not exact:
+        return doc
+    # orjson accepted the text, so it is valid UTF-8 JSON: only the numbers differ.
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise BodyError(f"{what} is nested too deeply") from None
+    except ValueError as exc:  # never seen: orjson refused what json would
+        raise BodyError(f"{what} holds a number that cannot be read exactly: {exc}") from None
 
 
-def _parse_form(body: bytes) -> object:
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_form(body: bytes, *, exact: bool = False) -> object:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -142,7 +180,16 @@ def _parse_form(body: bytes) -> object:
     payload = fields.get("payload")
     if isinstance(payload, str):
         # GitHub's form content type: the whole event is JSON in `payload`.
-        return _parse_json(payload.encode("utf-8"), what="form field 'payload'")
+        return _parse_json(payload.encode("utf-8"), what="form field 'payload'", exact=exact)
+    if body.lstrip()[:1] in (b"{", b"["):
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return fields
+        # Only then a FormFields: JSONPath look-ups take plain dicts (type() is dict).
+        form = FormFields(fields)
+        form.json_hint = FORM_LOOKS_LIKE_JSON
+        return form
     return fields
 
 
@@ -357,6 +404,90 @@ def _show(value: object) -> str:
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
+# --------------------------------------------------------------------------- encoding
+
+# Key and event id text must name one event only (README, "Keys"): two different
+# values must never give the same text. Each substituted value is encoded on its
+# own, keeping plain strings as they are:
+#  - ``%`` and the template's separators (the first character of the text between
+#    two placeholders) are percent-encoded, byte by byte of their UTF-8;
+#  - a JSON number or boolean is written as its JSON text, and a JSON *string*
+#    that reads as one is prefixed with ``%s``, so 42 and "42" stay apart.
+# Decoding is then unambiguous: a value ends at the first unescaped separator;
+# ``%s`` starts a string; else a value that decodes to JSON number/boolean text is
+# one, anything else is a string.
+_READS_AS_JSON = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false")
+_STRING_MARK = "%s"
+_JSON_STARTS = frozenset("-0123456789tf")  # what _READS_AS_JSON can start with
+# The few characters one value escapes, fixed per template part (None: none).
+# Looking for each of them in the value (`c in text`, C speed) keeps the usual
+# case, a value with none of them, as cheap as a copy.
+Escaper = tuple[tuple[str, str], ...] | None  # (character, its encoding), '%' first
+
+
+def _escaper(chars: set[str] | frozenset[str]) -> Escaper:
+    if not chars:
+        return None
+    # '%' first: the encodings of the others hold a '%' that must stay as it is.
+    ordered = sorted(chars, key=lambda c: (c != "%", c))
+    return tuple(
+        (c, "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))) for c in ordered
+    )
+
+
+_PERCENT = _escaper({"%"})
+
+
+def _escape(text: str, escaper: Escaper) -> str:
+    """``text`` with each character of ``escaper`` percent-encoded (UTF-8, upper-case hex)."""
+    if escaper is not None:
+        for char, encoded in escaper:
+            if char in text:
+                text = text.replace(char, encoded)
+    return text
+
+
+def _typed_text(value: object, escaper: Escaper) -> str | None:
+    """A JSON scalar as key text, its type kept apart (see above); None for no value.
+
+    ``escaper`` must match ``%``. Objects and lists have no text: a key holding
+    one would depend on key order.
+    """
+    if isinstance(value, str):
+        if not value:
+            return None
+        if value[0] in _JSON_STARTS and _READS_AS_JSON.fullmatch(value):
+            return _STRING_MARK + _escape(value, escaper)
+        return _escape(value, escaper)
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, int):
+        text = str(value)  # exact however long: orjson.dumps refuses over 64 bits
+    elif isinstance(value, float):
+        text = orjson.dumps(value).decode()
+    else:
+        return None
+    return _escape(text, escaper)
+
+
+def _maybe_inexact(value: object) -> bool:
+    return type(value) is float and abs(value) >= _INEXACT_FROM
+
+
+def _too_long(text: str) -> int:
+    """The UTF-8 size of ``text`` when over MAX_KEY_BYTES, else 0."""
+    if len(text) <= MAX_KEY_BYTES // 4:  # four bytes a character at most
+        return 0
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return size if size > MAX_KEY_BYTES else 0
+
+
+def _length_error(what: str, size: int) -> ExtractError:
+    return ExtractError(
+        VALIDATION_EVENT_ID, f"{what} is {size} bytes long; at most {MAX_KEY_BYTES} allowed"
+    )
+
+
 # --------------------------------------------------------------------------- event id
 
 
@@ -377,15 +508,27 @@ class EventIdSource:
     def _where(self) -> str:
         return f"header {self.header}" if self.path is None else f"jsonpath {self.path.expr}"
 
-    def resolve(self, headers: HeaderLookup, doc: object, body: bytes) -> str:
-        """The event id; raises ExtractError (VALIDATION_EVENT_ID) when absent and rejected."""
+    def resolve(
+        self, headers: HeaderLookup, doc: object, body: bytes, *, exact: bool = False
+    ) -> str:
+        """The event id; raises ExtractError (VALIDATION_EVENT_ID) when absent and rejected
+        or longer than a key, and InexactNumber when ``doc`` may have rounded it."""
+        text: str | None
         if self.header is not None:
-            value: object = headers.get(self.header.lower())
+            # A header is text only: its value is the id, as sent.
+            text = headers.get(self.header.lower()) or None
         else:
             assert self.path is not None
             value = self.path.get(doc)[1]
-        text = _id_text(value)
+            if not exact and _maybe_inexact(value):
+                raise InexactNumber
+            # Strings and integers only; "1" and 1 stay two ids ("%s1" and "1").
+            ok = isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+            text = _typed_text(value, _PERCENT) if ok else None
         if text is not None:
+            size = _too_long(text)
+            if size:
+                raise _length_error(f"event id ({self._where})", size)
             return text
         if self.missing == "content_hash":
             # Same bytes, same id: a redelivery of an id-less body still deduplicates.
@@ -408,19 +551,11 @@ def compile_event_id(
     return EventIdSource(header, path, missing)  # type: ignore[arg-type]
 
 
-def _id_text(value: object) -> str | None:
-    if isinstance(value, str):
-        return value or None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return None
-
-
 # --------------------------------------------------------------------------- key template
 
-# (kind, text as written, what to look up): literal text, the event id, a header
-# name or a compiled JSONPath.
-_Part = tuple[Literal["text", "event_id", "header", "path"], str, str | Path | None]
+# (kind, text as written, what to look up, what its value escapes): literal text,
+# the event id, a header name or a compiled JSONPath.
+_Part = tuple[Literal["text", "event_id", "header", "path"], str, str | Path | None, Escaper]
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,33 +565,49 @@ class KeyTemplate:
     template: str
     parts: tuple[_Part, ...] = field(repr=False, compare=False)
 
-    def render(self, headers: HeaderLookup, doc: object, event_id: str) -> str:
-        """The key; raises ExtractError (VALIDATION_EVENT_ID) when a placeholder has no value."""
+    def render(
+        self, headers: HeaderLookup, doc: object, event_id: str, *, exact: bool = False
+    ) -> str:
+        """The key; raises ExtractError (VALIDATION_EVENT_ID) when a placeholder has no
+        value or the key is too long, and InexactNumber when ``doc`` may have rounded
+        a number it needs."""
+        if self.template == "{event_id}":
+            return event_id  # the default key; resolve() bounded its length already
         out: list[str] = []
-        for kind, text, ref in self.parts:
+        for kind, text, ref, escaper in self.parts:
+            value: str | None
             if kind == "text":
                 out.append(text)
                 continue
             if kind == "event_id":
-                value: str | None = event_id
+                value = _escape(event_id, escaper)
             elif isinstance(ref, Path):
-                value = _key_text(ref.get(doc)[1])
+                found = ref.get(doc)[1]
+                if not exact and _maybe_inexact(found):
+                    raise InexactNumber
+                value = _typed_text(found, escaper)
             else:
-                value = headers.get(ref.lower()) or None
+                raw = headers.get(ref.lower())  # type: ignore[union-attr]
+                value = _escape(raw, escaper) if raw else None
             if value is None:
                 raise ExtractError(
                     VALIDATION_EVENT_ID,
                     f"key part {{{text}}} of key template {self.template!r} has no value",
                 )
             out.append(value)
-        return "".join(out)
+        key = "".join(out)
+        size = _too_long(key)
+        if size:
+            raise _length_error(f"the key of template {_show(self.template)}", size)
+        return key
 
 
 def compile_key(template: str) -> KeyTemplate:
-    """Compile a key template. Raises ValueError for bad braces or unknown placeholders."""
+    """Compile a key template. Raises ValueError for bad braces, unknown placeholders,
+    and placeholders whose values could not be told apart (see _escape)."""
     if not isinstance(template, str) or not template:
         raise ValueError("must be a non-empty string such as '{event_id}'")
-    parts: list[_Part] = []
+    parts: list[tuple[str, str, str | Path | None]] = []
     text: list[str] = []
     pos = 0
     while pos < len(template):
@@ -480,10 +631,44 @@ def compile_key(template: str) -> KeyTemplate:
             pos += 1
     if text:
         parts.append(("text", "".join(text), None))
-    return KeyTemplate(template, tuple(parts))
+    return KeyTemplate(template, _with_escapes(parts))
 
 
-def _placeholder(inner: str) -> _Part:
+def _with_escapes(parts: list[tuple[str, str, str | Path | None]]) -> tuple[_Part, ...]:
+    """Each part with the characters its value must escape; refuses templates whose
+    values could run into each other."""
+    holes = [i for i, (kind, _, _) in enumerate(parts) if kind != "text"]
+    if not holes:
+        literal = parts[0][1]
+        if len(literal.encode()) > MAX_KEY_BYTES:
+            raise ValueError(f"a fixed key is at most {MAX_KEY_BYTES} bytes")
+    separators: set[str] = set()
+    for here, after in itertools.pairwise(holes):
+        name = parts[here][1]
+        if after == here + 1:
+            raise ValueError(
+                f"{{{name}}} and {{{parts[after][1]}}} need text between them "
+                "(such as ':'), or their values could run into each other"
+            )
+        first = parts[here + 1][1][0]
+        if first == "%" or (first.isascii() and first.isalnum()):
+            raise ValueError(
+                f"the text after {{{name}}} must start with a separator such as ':', '-' or "
+                f"'/', not {first!r}, so that where its value ends is never in doubt"
+            )
+        separators.add(first)
+    # Typed (JSONPath) values use the %s mark, so % is always escaped in them; the
+    # event id and headers are text, left as sent when there is no separator.
+    typed = _escaper({"%", *separators})
+    text_only = typed if separators else None
+    out: list[_Part] = []
+    for kind, text, ref in parts:
+        escaper = None if kind == "text" else typed if kind == "path" else text_only
+        out.append((kind, text, ref, escaper))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def _placeholder(inner: str) -> tuple[str, str, str | Path | None]:
     if inner == "event_id":
         return ("event_id", inner, None)
     if inner.startswith("header:"):
@@ -496,17 +681,6 @@ def _placeholder(inner: str) -> _Part:
     raise ValueError(
         f"unknown placeholder {{{inner}}}; use {{event_id}}, {{header:Name}} or {{$.json.path}}"
     )
-
-
-def _key_text(value: object) -> str | None:
-    # Scalars only: an object or list in a key would make it depend on key order.
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value or None
-    if isinstance(value, int | float):
-        return orjson.dumps(value).decode()
-    return None
 
 
 # --------------------------------------------------------------------------- params

@@ -9,7 +9,8 @@ error like any other, never a TypeError. The request path then only calls
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Mapping
+import functools
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -17,9 +18,14 @@ from gateway.errors import ConfigError
 from gateway.extract import (
     MISSING,
     TESTS,
+    VALIDATION_EVENT_ID,
+    BodyError,
     Condition,
     EventIdSource,
+    ExtractError,
+    FormFields,
     HeaderLookup,
+    InexactNumber,
     KeyTemplate,
     ParamError,
     ParamsSpec,
@@ -30,6 +36,7 @@ from gateway.extract import (
     compile_params,
     compile_path,
     is_header_name,
+    parse_body,
 )
 from gateway.verify import VerifySpec, parse_verify
 
@@ -59,6 +66,7 @@ FIELDS = (
     "on_live_match",
     "on_terminal_match",
     "on_params_mismatch",
+    "replay_guard",
 )
 _REQUIRED = ("workflow", "path", "verify", "event_id")
 _SOURCES = ("header", "jsonpath")
@@ -93,9 +101,15 @@ class Trigger:
     on_live_match: str = ON_LIVE_MATCH[0]
     on_terminal_match: str = ON_TERMINAL_MATCH[0]
     on_params_mismatch: str = ON_PARAMS_MISMATCH[0]
+    # Deduplicate a verified body seen again under another event id (see README).
+    replay_guard: bool = False
 
     def match(self, headers: HeaderLookup, doc: object) -> str | None:
         """None when every ``when`` condition holds, else the first failing reason."""
+        if isinstance(doc, FormFields) and doc.json_hint and self.reads_json:
+            # JSON sent as a form (`curl -d`): every JSONPath would find nothing,
+            # and the reason should say why rather than name one of them.
+            return doc.json_hint
         for condition in self.when:
             reason = condition.check(headers, doc)
             if reason is not None:
@@ -104,9 +118,31 @@ class Trigger:
 
     def extract(self, headers: HeaderLookup, doc: object, body: bytes) -> Extracted:
         """Event id, key and params. Raises ExtractError (VALIDATION_EVENT_ID)."""
-        event_id = self.event_id.resolve(headers, doc, body)
-        key = self.key.render(headers, doc, event_id)
+        try:
+            event_id = self.event_id.resolve(headers, doc, body)
+            key = self.key.render(headers, doc, event_id)
+        except InexactNumber:
+            # An integer beyond 64 bits, rounded by the fast parse, would let two
+            # neighbouring ids share a key: read the body again, exactly (rare).
+            try:
+                exact = parse_body(body, headers.get("content-type"), exact=True)
+            except BodyError as exc:
+                raise ExtractError(VALIDATION_EVENT_ID, str(exc)) from None
+            event_id = self.event_id.resolve(headers, exact, body, exact=True)
+            key = self.key.render(headers, exact, event_id, exact=True)
         return Extracted(event_id=event_id, key=key, params=self.params.extract(headers, doc))
+
+    @functools.cached_property
+    def reads_json(self) -> bool:
+        """Whether any part of this trigger reads the body with a JSONPath."""
+        return any(True for _ in self._paths())
+
+    def _paths(self) -> Iterator[Path]:
+        yield from (c.path for c in self.when if c.path is not None)
+        if self.event_id.path is not None:
+            yield self.event_id.path
+        yield from (ref for kind, _, ref, _ in self.key.parts if kind == "path")  # type: ignore[misc]
+        yield from (src for _, kind, src in self.params.entries if kind == "path")  # type: ignore[misc]
 
 
 def describe_event_id(t: Trigger) -> str:
@@ -117,7 +153,8 @@ def describe_event_id(t: Trigger) -> str:
 def parse_triggers(
     raw: object, *, file: str, workflows: Collection[str], env: Mapping[str, str]
 ) -> dict[str, Trigger]:
-    """Compile the YAML value under ``triggers:``. Raises ConfigError on the first problem."""
+    """Compile the YAML value under ``triggers:``. Raises ConfigError on the first
+    problem, except missing secrets: those are listed all at once, at the end."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -127,13 +164,71 @@ def parse_triggers(
             section="triggers",
         )
     triggers: dict[str, Trigger] = {}
+    secrets = _SecretsSeen(env)
     for name, spec in raw.items():
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(
                 file, f"trigger name {name!r} must be a non-empty string", section="triggers"
             )
-        triggers[name] = _TriggerParser(file, name, workflows, env).parse(spec)
+        secrets.trigger = name
+        triggers[name] = _TriggerParser(file, name, workflows, secrets).parse(spec)
+    secrets.raise_missing(file)
     return triggers
+
+
+class _SecretsSeen(Mapping[str, str]):
+    """The environment as ``parse_verify`` sees it, noting every unset or empty
+    variable (and who needs it) rather than stopping at the first: one run of
+    ``realm triggers check`` then lists every secret still to set."""
+
+    # Stands in for a missing secret so the rest of the file is still checked; a
+    # Standard Webhooks secret, so that scheme's format check passes too. Never
+    # used to verify anything: raise_missing refuses the file first.
+    _STAND_IN = "whsec_c3RhbmQtaW4="
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self.trigger = ""
+        self.missing: dict[str, tuple[str, list[str]]] = {}  # var → (problem, triggers)
+
+    def __getitem__(self, name: str) -> str:
+        value = self.env.get(name)
+        if value:
+            return value
+        problem = "is not set" if value is None else "is empty"
+        users = self.missing.setdefault(name, (problem, []))[1]
+        if self.trigger not in users:
+            users.append(self.trigger)
+        return self._STAND_IN
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.env)
+
+    def __len__(self) -> int:
+        return len(self.env)
+
+    def raise_missing(self, file: str) -> None:
+        if len(self.missing) == 1:
+            ((name, (problem, users)),) = self.missing.items()
+            if len(users) == 1:  # the usual one-line error, naming the trigger
+                raise ConfigError(
+                    file,
+                    f"environment variable {name} {problem}",
+                    section="trigger",
+                    name=users[0],
+                    field="verify.secret_env",
+                )
+        if self.missing:
+            listed = "; ".join(
+                f"{name} {problem} (trigger{'s' if len(users) > 1 else ''} {', '.join(users)})"
+                for name, (problem, users) in self.missing.items()
+            )
+            raise ConfigError(
+                file,
+                f"{len(self.missing)} environment variables for secrets are missing: {listed}",
+                section="triggers",
+                field="verify.secret_env",
+            )
 
 
 class _TriggerParser:
@@ -177,7 +272,26 @@ class _TriggerParser:
             on_live_match=self.choice(raw, "on_live_match", ON_LIVE_MATCH),
             on_terminal_match=self.choice(raw, "on_terminal_match", ON_TERMINAL_MATCH),
             on_params_mismatch=self.choice(raw, "on_params_mismatch", ON_PARAMS_MISMATCH),
+            replay_guard=self.replay_guard(raw),
         )
+
+    def replay_guard(self, raw: dict[object, object]) -> bool:
+        """On by default for `github`, which signs the body alone: a captured delivery
+        sent again with a new X-GitHub-Delivery must not start new work. Off by default
+        for `hmac`, `token` and `none`, whose senders may send one body for several
+        events (a cron ping). `stripe` and `standard` sign a timestamp and the event id,
+        so their replays are refused by verification already."""
+        verify = raw.get("verify")
+        scheme = verify.get("scheme") if isinstance(verify, dict) else None
+        value = raw.get("replay_guard", scheme == "github")
+        if not isinstance(value, bool):
+            self.fail("replay_guard", f"must be true or false, not {_show(value)}")
+        if value and scheme in ("stripe", "standard"):
+            self.fail(
+                "replay_guard",
+                f"is not needed with scheme {scheme}: it signs a timestamp and the event id",
+            )
+        return value
 
     def check_fields(
         self, raw: dict[object, object], allowed: tuple[str, ...], prefix: str
@@ -205,6 +319,13 @@ class _TriggerParser:
         bad = sorted({c for c in raw if c in _PATH_FORBIDDEN})
         if bad:
             self.fail("path", f"must not contain {' '.join(repr(c) for c in bad)}")
+        if "%" in raw:
+            # Routes are matched against the decoded path: '/a%20b' would never match.
+            self.fail(
+                "path",
+                "must not contain '%': requests are matched on the decoded path, so write "
+                "it decoded (/hooks/café, not /hooks/caf%C3%A9)",
+            )
         return raw
 
     def header(self, raw: object, field: str) -> str:

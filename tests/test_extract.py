@@ -28,15 +28,13 @@ from gateway.extract import (
     parse_body,
 )
 
-FIXTURES = FsPath(__file__).resolve().parents[2] / "shared" / "fixtures"
+# Payloads kept with the tests (tests/payloads/README.md says where from).
+PAYLOADS = FsPath(__file__).resolve().parent / "payloads"
 NO_HEADERS = Headers({})
 
 
 def fixture(name: str) -> bytes:
-    path = FIXTURES / name
-    if not path.is_file():
-        pytest.skip(f"fixture {path} not present")
-    return path.read_bytes()
+    return (PAYLOADS / name).read_bytes()
 
 
 # --------------------------------------------------------------------------- parse_body
@@ -384,7 +382,7 @@ def test_key_template_pull_request_fixture() -> None:
     body = fixture("github/pull_request.opened.json")
     doc = parse_body(body, "application/json")
     key = compile_key("pr-{$.pull_request.number}-{$.pull_request.head.sha}")
-    assert key.render(NO_HEADERS, doc, "evt") == "pr-2-ec26c3e57ca3a959ca5aad62de7213c562f8c821"
+    assert key.render(NO_HEADERS, doc, "evt") == "pr-42-3c8e1f5a9d2b7c4e0a6f8b1d3e5c7a9f2b4d6e80"
 
 
 def test_key_template_parts_and_escapes() -> None:

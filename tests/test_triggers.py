@@ -16,7 +16,8 @@ from gateway.errors import ConfigError
 from gateway.extract import VALIDATION_EVENT_ID, ExtractError, parse_body
 from gateway.triggers import Extracted, Trigger, describe_event_id, parse_triggers
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# Payloads kept with the tests (tests/payloads/README.md says where from).
+PAYLOADS = Path(__file__).resolve().parent / "payloads"
 FILE = "triggers.yaml"
 WORKFLOWS = ("deploy", "sync")
 ENV = {"GITHUB_SECRET": "s3cret", "STRIPE_SECRET": "whsec_abc"}
@@ -148,18 +149,15 @@ def test_match_and_extract_push() -> None:
 
 
 def test_match_and_extract_pull_request_fixture() -> None:
-    path = FIXTURES / "github" / "pull_request.opened.json"
-    if not path.is_file():
-        pytest.skip(f"fixture {path} not present")
-    body = path.read_bytes()
+    body = (PAYLOADS / "github" / "pull_request.opened.json").read_bytes()
     doc = parse_body(body, "application/json")
     pr = parse(example())["github-pr"]
     headers = Headers({"X-GitHub-Event": "pull_request", "X-GitHub-Delivery": "d-2"})
     assert pr.match(headers, doc) is None
     assert pr.extract(headers, doc, body) == Extracted(
         event_id="d-2",
-        key="pr-2-ec26c3e57ca3a959ca5aad62de7213c562f8c821",
-        params={"number": 2, "delivery": "d-2", "source": "github"},
+        key="pr-42-3c8e1f5a9d2b7c4e0a6f8b1d3e5c7a9f2b4d6e80",
+        params={"number": 42, "delivery": "d-2", "source": "github"},
     )
     assert parse(example())["github-push"].match(headers, doc) is not None
 
@@ -287,7 +285,7 @@ def test_unknown_field_lists_allowed_fields() -> None:
     assert str(err) == (
         "triggers.yaml: trigger 't': field 'retries': unknown field; allowed fields: "
         "workflow, path, verify, when, event_id, key, params, on_live_match, "
-        "on_terminal_match, on_params_mismatch"
+        "on_terminal_match, on_params_mismatch, replay_guard"
     )
 
 
