@@ -13,8 +13,10 @@ from starlette.routing import Route
 
 from gateway import replies
 from gateway.delivery import RETRY_AFTER_SECONDS
-from gateway.errors import RealmError
+from gateway.errors import RealmError, StoreUnavailable
+from gateway.paging import check_cursor, parse_limit
 from gateway.reconcile import reconcile
+from gateway.runs import new_run_id
 from gateway.store import RunStore
 
 Handler = Callable[[Request, RunStore], Awaitable[Response]]
@@ -26,7 +28,7 @@ def json_response(
     return Response(orjson.dumps(content), status, headers, media_type="application/json")
 
 
-def error_response(error: RealmError) -> Response:
+def error_response(error: RealmError, *, batch_id: str | None = None) -> Response:
     headers = {}
     if error.code == "STORE_UNAVAILABLE":
         status = 503
@@ -42,7 +44,7 @@ def error_response(error: RealmError) -> Response:
         status = 403
     else:
         status = 422
-    return json_response(replies.error_json(error), status, headers)
+    return json_response(replies.error_json(error, batch_id=batch_id), status, headers)
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -75,33 +77,43 @@ async def start(request: Request, store: RunStore) -> Response:
         _field(data, "on_live_match", str, "use_existing"),
         _field(data, "on_terminal_match", str, "reuse"),
         _field(data, "on_params_mismatch", str, "flag"),
+        request_id=_request_id(data),
     )
     return json_response(replies.start_json(result), 200 if result.deduped else 202)
 
 
 async def start_batch(request: Request, store: RunStore) -> Response:
     data = await _body(request)
-    entries = await store.start_run_batch(
-        request.path_params["workflow"],
-        _field(data, "items", list, None) or [],
-        _field(data, "on_live_match", str, "use_existing"),
-        _field(data, "on_terminal_match", str, "reuse"),
-        _field(data, "on_params_mismatch", str, "flag"),
+    # Without a caller's batch id, one of ours, returned in the reply: a caller that
+    # lost the reply can send the batch again with it and start nothing twice.
+    batch_id = _field(data, "batch_id", str, None)
+    if batch_id is None:
+        batch_id = new_run_id()
+    try:
+        entries = await store.start_run_batch(
+            request.path_params["workflow"],
+            _field(data, "items", list, None) or [],
+            _field(data, "on_live_match", str, "use_existing"),
+            _field(data, "on_terminal_match", str, "reuse"),
+            _field(data, "on_params_mismatch", str, "flag"),
+            batch_id=batch_id,
+        )
+    except StoreUnavailable as exc:
+        # The outcome is unknown: the reply names the batch, for the retry.
+        return error_response(exc, batch_id=batch_id)
+    return json_response(
+        {"status": "ok", "batch_id": batch_id, "items": replies.batch_json(entries)}
     )
-    return json_response({"status": "ok", "items": replies.batch_json(entries)})
 
 
 async def list_runs(request: Request, store: RunStore) -> Response:
     query = request.query_params
-    limit_text = query.get("limit", "50")
-    if not limit_text.isdigit():
-        raise RealmError("VALIDATION_PARAMS", "limit must be an integer between 1 and 1000")
     runs, cursor = await store.list_runs(
         request.path_params["workflow"],
         key=query.get("key"),
         phase=query.get("phase"),
-        limit=int(limit_text),
-        cursor=query.get("cursor"),
+        limit=parse_limit(query.get("limit", "50")),
+        cursor=check_cursor(query.get("cursor")),
     )
     return json_response({"runs": [r.as_dict() for r in runs], "cursor": cursor})
 
@@ -111,8 +123,15 @@ async def get_run(request: Request, store: RunStore) -> Response:
     return json_response(run.as_dict())
 
 
+def _request_id(data: dict[str, Any]) -> str | None:
+    """The caller's id for this call: a resend with it learns what the first one did."""
+    return _field(data, "request_id", str, None)
+
+
 async def cancel_run(request: Request, store: RunStore) -> Response:
-    return json_response({"cancelled": await store.cancel_run(request.path_params["run_id"])})
+    data = await _body(request)
+    cancelled = await store.cancel_run(request.path_params["run_id"], op_id=_request_id(data))
+    return json_response({"cancelled": cancelled})
 
 
 async def cancel_key(request: Request, store: RunStore) -> Response:
@@ -120,9 +139,10 @@ async def cancel_key(request: Request, store: RunStore) -> Response:
     key = _field(data, "idempotency_key", str, None)
     if key is None:
         raise RealmError("VALIDATION_BODY", "field 'idempotency_key' is required")
-    return json_response(
-        {"cancelled": await store.cancel_key(request.path_params["workflow"], key)}
+    cancelled = await store.cancel_key(
+        request.path_params["workflow"], key, op_id=_request_id(data)
     )
+    return json_response({"cancelled": cancelled})
 
 
 async def complete_step(request: Request, store: RunStore) -> Response:
@@ -130,7 +150,7 @@ async def complete_step(request: Request, store: RunStore) -> Response:
     step = _field(data, "step", str, None)
     if step is None:
         raise RealmError("VALIDATION_BODY", "field 'step' is required")
-    result = await store.complete_step(request.path_params["run_id"], step)
+    result = await store.complete_step(request.path_params["run_id"], step, op_id=_request_id(data))
     return json_response(
         {
             "status": "ok",
@@ -143,7 +163,9 @@ async def complete_step(request: Request, store: RunStore) -> Response:
 
 async def fail_run(request: Request, store: RunStore) -> Response:
     data = await _body(request)
-    run = await store.fail_run(request.path_params["run_id"], _field(data, "error", str, ""))
+    run = await store.fail_run(
+        request.path_params["run_id"], _field(data, "error", str, ""), op_id=_request_id(data)
+    )
     return json_response({"status": "ok", **run.as_dict()})
 
 
@@ -159,7 +181,8 @@ async def reconcile_keys(request: Request, store: RunStore) -> Response:
 
 def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitable[Response]]:
     """Bearer-token check (constant time), then the handler; coded errors become replies."""
-    expected = token.encode() if token else None
+    # surrogateescape: the environment's bytes as they were, even when not UTF-8.
+    expected = token.encode("utf-8", "surrogateescape") if token else None
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -170,8 +193,11 @@ def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitab
                     "to enable it, then send 'Authorization: Bearer <token>'",
                 )
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # Starlette decodes header bytes as latin-1: encoding back gives the bytes
+            # sent, compared with the token's UTF-8 bytes (a non-ASCII token matches).
+            # Spaces and tabs around a field value are not part of it (RFC 9110).
             if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), expected
+                given.strip(" \t").encode("latin-1"), expected
             ):
                 raise RealmError("AUTH_REQUIRED", "send 'Authorization: Bearer <REALM_API_TOKEN>'")
             return await handler(request, request.state.store)

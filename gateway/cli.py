@@ -1,7 +1,7 @@
 """The ``realm`` command. Parses flags, calls one typed function, prints its reply.
 
 Exit codes: 0 ok, 1 refused (``status: error`` with a code), 2 usage,
-3 bad config, 4 store unavailable.
+3 bad config, 4 store unavailable, 5 ``listen`` cannot bind its --host/--port.
 """
 
 from __future__ import annotations
@@ -9,25 +9,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 import orjson
 
 from gateway import replies
 from gateway.config import Config, load_config
-from gateway.connection import DEFAULT_DATA_DIR, redis_client, redis_target
+from gateway.connection import (
+    DEFAULT_DATA_DIR,
+    BadRedisUrl,
+    check_redis_url,
+    redis_client,
+    redis_target,
+)
 from gateway.embedded import ServerNotFound
 from gateway.errors import ConfigError, RealmError, StoreUnavailable
-from gateway.runs import LIVE_MATCH, PHASES, TERMINAL_MATCH, Run
+from gateway.paging import list_runs_across
+from gateway.runs import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH, Run, new_run_id
 from gateway.store import RunStore
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_CONFIG = 3
 EXIT_UNAVAILABLE = 4
+EXIT_ADDRESS = 5
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,8 +46,23 @@ config_option = click.option(
     envvar="REALM_CONFIG", type=click.Path(dir_okay=False),
     help="The triggers.yaml to use. [env: REALM_CONFIG]",
 )  # fmt: skip
+
+
+def _checked_redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """One line and exit 2 for a URL redis-py cannot use (it would raise a traceback
+    later); the message shows the URL without its password."""
+    if value is None:
+        return None
+    try:
+        return check_redis_url(value)
+    except BadRedisUrl as exc:
+        error = click.ClickException(f"--redis-url: {exc}")
+        error.exit_code = EXIT_USAGE
+        raise error from None
+
+
 redis_url_option = click.option(
-    "--redis-url", envvar="REALM_REDIS_URL", default=None,
+    "--redis-url", envvar="REALM_REDIS_URL", default=None, callback=_checked_redis_url,
     help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
 )  # fmt: skip
 data_dir_option = click.option(
@@ -108,17 +132,20 @@ def reports_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = kwargs.get("as_json", False)
         try:
             return func(*args, **kwargs)
         except RealmError as exc:
-            if as_json:
-                click.echo(orjson.dumps(replies.error_json(exc)).decode())
-            else:
-                click.echo(replies.error_text(exc))
-            sys.exit(EXIT_UNAVAILABLE if isinstance(exc, StoreUnavailable) else EXIT_REFUSED)
+            _report_error(exc, kwargs.get("as_json", False))
 
     return wrapper  # type: ignore[return-value]
+
+
+def _report_error(exc: RealmError, as_json: bool, *, batch_id: str | None = None) -> NoReturn:
+    if as_json:
+        click.echo(orjson.dumps(replies.error_json(exc, batch_id=batch_id)).decode())
+    else:
+        click.echo(replies.error_text(exc, batch_id=batch_id))
+    sys.exit(EXIT_UNAVAILABLE if isinstance(exc, StoreUnavailable) else EXIT_REFUSED)
 
 
 def _emit(as_json: bool, text: str, data: dict[str, Any]) -> None:
@@ -134,6 +161,18 @@ def main() -> None:
 @main.group()
 def run() -> None:
     """Start and manage workflow runs."""
+
+
+request_id_option = click.option(
+    "--request-id", default=None,
+    help="Your id for this call: running it again with the same id (after a lost reply "
+         "or exit 4) reports what the first call did instead of acting again.",
+)  # fmt: skip
+params_mismatch_option = click.option(
+    "--on-params-mismatch", type=click.Choice(PARAMS_MISMATCH), default="flag",
+    show_default=True,
+    help="A repeat whose params differ from the key's run: flag it, or reject it.",
+)  # fmt: skip
 
 
 def _read_params(value: str | None) -> dict[str, Any]:
@@ -173,6 +212,8 @@ def _read_params(value: str | None) -> dict[str, Any]:
     show_default=True,
     help="What a repeat does after the key's run ended.",
 )
+@params_mismatch_option
+@request_id_option
 @store_options
 @reports_errors
 def run_start(
@@ -181,6 +222,8 @@ def run_start(
     key: str | None,
     on_live_match: Any,
     on_terminal_match: Any,
+    on_params_mismatch: Any,
+    request_id: str | None,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
@@ -190,7 +233,8 @@ def run_start(
     params = _read_params(params_arg)
     result = with_store(
         config_path, redis_url, data_dir,
-        lambda store: store.start_run(workflow, params, key, on_live_match, on_terminal_match),
+        lambda store: store.start_run(workflow, params, key, on_live_match, on_terminal_match,
+                                      on_params_mismatch, request_id=request_id),
     )  # fmt: skip
     _emit(as_json, replies.start_text(result), replies.start_json(result))
 
@@ -212,6 +256,7 @@ def run_show(
 @click.option("--key", default=None, help="Only runs of this idempotency key (needs --workflow).")
 @click.option("--phase", type=click.Choice(PHASES), default=None)
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option("--cursor", default=None, help="Where the previous page stopped, as it printed.")
 @store_options
 @reports_errors
 def run_list(
@@ -219,43 +264,52 @@ def run_list(
     key: str | None,
     phase: str | None,
     limit: int,
+    cursor: str | None,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
     as_json: bool,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, a page at a time."""
     if key and not workflow:
         raise click.UsageError("--key needs --workflow: a key belongs to one workflow")
 
-    async def work(store: RunStore) -> list[Run]:
-        names = [workflow] if workflow else sorted(store.config.workflows)
-        found: list[Run] = []
-        for name in names:
-            runs, _ = await store.list_runs(name, key=key, phase=phase, limit=limit)
-            found += runs
-        return sorted(found, key=lambda r: r.created_ms, reverse=True)[:limit]
+    async def work(store: RunStore) -> tuple[list[Run], str | None]:
+        # An unknown --workflow is NOT_FOUND_WORKFLOW before any cursor is read.
+        names = (
+            [store.config.workflow(workflow).name] if workflow else sorted(store.config.workflows)
+        )
+        return await list_runs_across(
+            store, names, key=key, phase=phase, limit=limit, cursor=cursor
+        )
 
-    runs = with_store(config_path, redis_url, data_dir, work)
+    runs, next_cursor = with_store(config_path, redis_url, data_dir, work)
     if as_json:
-        click.echo(orjson.dumps({"runs": [r.as_dict() for r in runs]}).decode())
+        page = {"runs": [r.as_dict() for r in runs], "cursor": next_cursor}
+        click.echo(orjson.dumps(page).decode())
         return
-    if not runs:
+    if runs:
+        click.echo(replies.RUN_LINE_HEADER)
+    else:
         click.echo("no runs")
     for r in runs:
         click.echo(replies.run_line(r))
+    if next_cursor is not None:
+        click.echo(f"More runs exist: pass --cursor {next_cursor} for the next page.")
 
 
 @run.command("cancel")
 @click.argument("run_id", required=False)
 @click.option("--workflow", default=None, help="With --key: cancel the key's live run.")
 @click.option("--key", default=None)
+@request_id_option
 @store_options
 @reports_errors
 def run_cancel(
     run_id: str | None,
     workflow: str | None,
     key: str | None,
+    request_id: str | None,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
@@ -265,27 +319,39 @@ def run_cancel(
     if bool(run_id) == bool(workflow and key) or (workflow is None) != (key is None):
         raise click.UsageError("give either RUN_ID or both --workflow and --key")
     if run_id:
-        count = with_store(config_path, redis_url, data_dir, lambda store: store.cancel_run(run_id))
+        count = with_store(
+            config_path, redis_url, data_dir,
+            lambda store: store.cancel_run(run_id, op_id=request_id),
+        )  # fmt: skip
     else:
         assert workflow and key
         count = with_store(
-            config_path, redis_url, data_dir, lambda store: store.cancel_key(workflow, key)
-        )
+            config_path, redis_url, data_dir,
+            lambda store: store.cancel_key(workflow, key, op_id=request_id),
+        )  # fmt: skip
     _emit(as_json, f"status: ok\ncancelled: {count}", {"status": "ok", "cancelled": count})
 
 
 @run.command("complete")
 @click.argument("run_id")
 @click.option("--step", required=True, help="The step that finished (must be the current one).")
+@request_id_option
 @store_options
 @reports_errors
 def run_complete(
-    run_id: str, step: str, config_path: str, redis_url: str | None, data_dir: str, as_json: bool
+    run_id: str,
+    step: str,
+    request_id: str | None,
+    config_path: str,
+    redis_url: str | None,
+    data_dir: str,
+    as_json: bool,
 ) -> None:
     """Record that RUN_ID's current step finished; queue the next step."""
     result = with_store(
-        config_path, redis_url, data_dir, lambda store: store.complete_step(run_id, step)
-    )
+        config_path, redis_url, data_dir,
+        lambda store: store.complete_step(run_id, step, op_id=request_id),
+    )  # fmt: skip
     data = {
         "status": "ok",
         "run_id": run_id,
@@ -299,11 +365,13 @@ def run_complete(
 @run.command("fail")
 @click.argument("run_id")
 @click.option("--error", "error_text", default="", help="Why it failed (stored with the run).")
+@request_id_option
 @store_options
 @reports_errors
 def run_fail(
     run_id: str,
     error_text: str,
+    request_id: str | None,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
@@ -311,8 +379,9 @@ def run_fail(
 ) -> None:
     """End a live run as failed."""
     found = with_store(
-        config_path, redis_url, data_dir, lambda store: store.fail_run(run_id, error_text)
-    )
+        config_path, redis_url, data_dir,
+        lambda store: store.fail_run(run_id, error_text, op_id=request_id),
+    )  # fmt: skip
     _emit(as_json, replies.fail_text(found), {"status": "ok", "run_id": run_id,
                                               "phase": found.phase,
                                               "message": f"Run '{run_id}' failed."})  # fmt: skip
@@ -347,12 +416,15 @@ def listen(
     config_path: str, host: str, port: int, workers: int, redis_url: str | None, data_dir: str
 ) -> None:
     """Receive webhooks and turn verified deliveries into runs."""
-    from gateway.listen import serve
+    from gateway.listen import CannotBind, serve
 
     config = _load_config(config_path, with_triggers=True)
     try:
         serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
               data_dir=data_dir)  # fmt: skip
+    except CannotBind as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_ADDRESS)
     except (ServerNotFound, RuntimeError) as exc:
         click.echo(f"error: cannot start the embedded server: {exc}", err=True)
         sys.exit(EXIT_UNAVAILABLE)
@@ -445,6 +517,8 @@ def triggers_test(
         if not sep or not name.strip():
             raise click.BadParameter(f"{arg!r} is not 'Name: value'", param_hint="--header")
         headers.append((name.strip(), value.strip()))
+    # Routes match the decoded path, as a request's is: '/a%2Db' is '/a-b'.
+    route = urllib.parse.unquote(route)
     matching = [t for t in config.triggers.values() if t.path == route]
     if not matching:
         paths = ", ".join(sorted({t.path for t in config.triggers.values()})) or "none"
@@ -475,6 +549,12 @@ def triggers_test(
 @click.option(
     "--on-terminal-match", type=click.Choice(TERMINAL_MATCH), default="reuse", show_default=True
 )
+@params_mismatch_option
+@click.option(
+    "--batch-id", default=None,
+    help="Your id for this batch (one is made and printed when absent): running the same "
+         "batch again with it (after a lost reply or exit 4) starts nothing twice.",
+)  # fmt: skip
 @store_options
 @reports_errors
 def run_batch(
@@ -482,6 +562,8 @@ def run_batch(
     items_file: str,
     on_live_match: Any,
     on_terminal_match: Any,
+    on_params_mismatch: Any,
+    batch_id: str | None,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
@@ -496,14 +578,22 @@ def run_batch(
         raise click.BadParameter(f"{items_file} is not valid JSON: {exc}") from None
     if not isinstance(items, list):
         raise click.BadParameter(f"{items_file} must hold a JSON list of items")
-    entries = with_store(
-        config_path, redis_url, data_dir,
-        lambda store: store.start_run_batch(workflow, items, on_live_match, on_terminal_match),
-    )  # fmt: skip
+    given = new_run_id() if batch_id is None else batch_id
+    try:
+        entries = with_store(
+            config_path, redis_url, data_dir,
+            lambda store: store.start_run_batch(workflow, items, on_live_match,
+                                                on_terminal_match, on_params_mismatch,
+                                                batch_id=given),
+        )  # fmt: skip
+    except StoreUnavailable as exc:
+        # The outcome is unknown: name the batch, for the retry.
+        _report_error(exc, as_json, batch_id=given)
     if as_json:
-        click.echo(orjson.dumps({"status": "ok", "items": replies.batch_json(entries)}).decode())
+        reply = {"status": "ok", "batch_id": given, "items": replies.batch_json(entries)}
+        click.echo(orjson.dumps(reply).decode())
         return
-    click.echo(replies.batch_text(entries))
+    click.echo(replies.batch_reply_text(given, entries))
 
 
 @run.command("reconcile")

@@ -7,11 +7,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from starlette.datastructures import Headers
 
 from gateway.delivery import fingerprint_for, markers_for
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, parse_body
+from gateway.replies import shown
 from gateway.runs import canonical_params, check_key, fingerprint_of
 from gateway.store import RunStore
 from gateway.triggers import Trigger
@@ -101,10 +103,9 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  when: {'all hold' if entry['matched'] else 'not matched'}")
         for name in ("event_id", "key"):
             if name in entry:
-                lines.append(f"  {name.replace('_', ' ')}: {entry[name]}")
+                # The sender's values: escaped, so they cannot forge report lines.
+                lines.append(f"  {name.replace('_', ' ')}: {shown(str(entry[name]))}")
         if "params" in entry:
-            import orjson
-
             lines.append(f"  params: {orjson.dumps(entry['params']).decode()}")
         lines.append(f"  result: {entry['result']}")
     return "\n".join(lines)

@@ -24,8 +24,9 @@ from pydantic import Field, ValidationError
 from gateway import replies
 from gateway.config import Config
 from gateway.connection import redis_client
-from gateway.errors import RealmError
-from gateway.runs import MAX_BATCH_ITEMS
+from gateway.errors import RealmError, StoreUnavailable
+from gateway.paging import check_cursor
+from gateway.runs import MAX_BATCH_ITEMS, new_run_id
 from gateway.store import RunStore
 
 log = logging.getLogger("realm.mcp")
@@ -85,6 +86,21 @@ ParamsMismatch = Annotated[
     Field(
         description="A repeat whose params differ from the key's run: flag returns the "
         "run with params_mismatch: true; reject refuses (STATE_IDEMPOTENCY_KEY_CONFLICT).",
+    ),
+]
+RequestId = Annotated[
+    str | None,
+    Field(
+        description="Your id for this call: a retry with the same request_id (after a lost "
+        "reply or STORE_UNAVAILABLE) reports what the first call did instead of acting again.",
+    ),
+]
+BatchId = Annotated[
+    str | None,
+    Field(
+        description="Your id for this batch; without one, one is made and returned in the "
+        "reply (batch_id: ...). A retry with the same batch_id and items names the same runs "
+        "and starts nothing twice.",
     ),
 ]
 # The items are handed to the store as they came, so that a bad item is reported
@@ -161,11 +177,12 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         on_live_match: LiveMatch = "use_existing",
         on_terminal_match: TerminalMatch = "reuse",
         on_params_mismatch: ParamsMismatch = "flag",
+        request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
             result = await store.start_run(
                 workflow_id, params, idempotency_key,
-                on_live_match, on_terminal_match, on_params_mismatch,
+                on_live_match, on_terminal_match, on_params_mismatch, request_id=request_id,
             )  # fmt: skip
             return replies.start_text(result)
 
@@ -175,7 +192,9 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         description="Start several runs of one workflow in one call: one line per item, "
         "each with its run id and deduped: true/false. Every item is checked first: if "
         "any item's params fail the workflow's params_schema, no run starts "
-        "(VALIDATION_BATCH_ITEMS). The policies apply to every item."
+        "(VALIDATION_BATCH_ITEMS). The policies apply to every item. The reply's "
+        "batch_id line names the batch: after a lost reply or STORE_UNAVAILABLE, send the "
+        "same items again with that batch_id and nothing starts twice."
     )
     async def start_run_batch(
         ctx: Context,
@@ -184,14 +203,18 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         on_live_match: LiveMatch = "use_existing",
         on_terminal_match: TerminalMatch = "reuse",
         on_params_mismatch: ParamsMismatch = "flag",
+        batch_id: BatchId = None,
     ) -> CallToolResult:
+        given = new_run_id() if batch_id is None else batch_id
+
         async def work(store: RunStore) -> str:
             entries = await store.start_run_batch(
-                workflow_id, items, on_live_match, on_terminal_match, on_params_mismatch
-            )
-            return "status: ok\n" + replies.batch_text(entries)
+                workflow_id, items, on_live_match, on_terminal_match, on_params_mismatch,
+                batch_id=given,
+            )  # fmt: skip
+            return replies.batch_reply_text(given, entries)
 
-        return await _call(ctx, work)
+        return await _call(ctx, work, batch_id=given)
 
     @server.tool(
         description="Show one run: workflow, phase, current step, idempotency key, "
@@ -222,8 +245,9 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
             runs, next_cursor = await store.list_runs(
-                workflow_id, key=idempotency_key, phase=phase, limit=limit, cursor=cursor
-            )
+                workflow_id, key=idempotency_key, phase=phase, limit=limit,
+                cursor=check_cursor(cursor),
+            )  # fmt: skip
             lines = [replies.run_line(run) for run in runs] or ["no runs"]
             if next_cursor is not None:
                 lines.append(f"cursor: {next_cursor}")
@@ -245,12 +269,13 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         idempotency_key: Annotated[
             str | None, Field(description="With workflow_id: cancel this key's live run.")
         ] = None,
+        request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
             if run_id is not None and workflow_id is None and idempotency_key is None:
-                count = await store.cancel_run(run_id)
+                count = await store.cancel_run(run_id, op_id=request_id)
             elif run_id is None and workflow_id is not None and idempotency_key is not None:
-                count = await store.cancel_key(workflow_id, idempotency_key)
+                count = await store.cancel_key(workflow_id, idempotency_key, op_id=request_id)
             else:
                 raise RealmError(
                     "VALIDATION_PARAMS",
@@ -269,9 +294,11 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         ctx: Context,
         run_id: RunId,
         step: Annotated[str, Field(description="The step that finished (the current one).")],
+        request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
-            return replies.step_text(step, await store.complete_step(run_id, step))
+            result = await store.complete_step(run_id, step, op_id=request_id)
+            return replies.step_text(step, result)
 
         return await _call(ctx, work)
 
@@ -283,21 +310,27 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         ctx: Context,
         run_id: RunId,
         error: Annotated[str, Field(description="Why it failed (stored with the run).")] = "",
+        request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
-            return replies.fail_text(await store.fail_run(run_id, error))
+            return replies.fail_text(await store.fail_run(run_id, error, op_id=request_id))
 
         return await _call(ctx, work)
 
     return server
 
 
-async def _call(ctx: Context, work: Callable[[RunStore], Awaitable[str]]) -> CallToolResult:
-    """Run one tool's work on the session's store; every outcome becomes a text reply."""
+async def _call(
+    ctx: Context, work: Callable[[RunStore], Awaitable[str]], *, batch_id: str | None = None
+) -> CallToolResult:
+    """Run one tool's work on the session's store; every outcome becomes a text reply
+    (a batch whose outcome is unknown names its ``batch_id``, for the retry)."""
     try:
         store: RunStore = ctx.request_context.lifespan_context
         return CallToolResult(content=[TextContent(type="text", text=await work(store))])
-    except RealmError as exc:  # includes StoreUnavailable
+    except StoreUnavailable as exc:
+        return _error(exc, batch_id=batch_id)
+    except RealmError as exc:
         return _error(exc)
     except Exception:
         # The details (and the traceback) go to the log on stderr only: an
@@ -306,10 +339,9 @@ async def _call(ctx: Context, work: Callable[[RunStore], Awaitable[str]]) -> Cal
         return _error(RealmError("INTERNAL", "unexpected server error; see the server's log"))
 
 
-def _error(error: RealmError) -> CallToolResult:
-    return CallToolResult(
-        content=[TextContent(type="text", text=replies.error_text(error))], is_error=True
-    )
+def _error(error: RealmError, *, batch_id: str | None = None) -> CallToolResult:
+    text = replies.error_text(error, batch_id=batch_id)
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
 
 
 def serve_stdio(config: Config, redis_url: str) -> None:

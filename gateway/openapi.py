@@ -8,7 +8,13 @@ from typing import Any
 
 from gateway import __version__
 from gateway.api import API_ROUTES
-from gateway.runs import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH
+from gateway.runs import (
+    LIVE_MATCH,
+    MAX_REQUEST_ID_BYTES,
+    PARAMS_MISMATCH,
+    PHASES,
+    TERMINAL_MATCH,
+)
 
 _ERROR = {
     "type": "object",
@@ -59,22 +65,48 @@ _ITEM = {
     "type": "object",
     "properties": {"params": {"type": "object"}, "idempotency_key": {"type": "string"}},
 }
+# The caller's id for one call: a resend with the same id gets the first call's result.
+_REQUEST_ID = {
+    "request_id": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_REQUEST_ID_BYTES,
+        "description": "Your id for this call: a retry with the same id (after a lost reply or "
+        "a 503) reports what the first call did instead of acting again.",
+    }
+}
+_BATCH_ID = {
+    "batch_id": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_REQUEST_ID_BYTES,
+        "description": "Your id for this batch (one is made when absent; the reply "
+        "carries it, a 503 too): a retry with the same id and items names the same runs "
+        "and starts nothing twice.",
+    }
+}
 _BODIES: dict[str, dict[str, Any]] = {
     "start": {"properties": {"params": {"type": "object"},
-                             "idempotency_key": {"type": "string"}, **_POLICIES}},
+                             "idempotency_key": {"type": "string"}, **_POLICIES, **_REQUEST_ID}},
     "start_batch": {"required": ["items"],
-                    "properties": {"items": {"type": "array", "items": _ITEM}, **_POLICIES}},
+                    "properties": {"items": {"type": "array", "items": _ITEM}, **_POLICIES,
+                                   **_BATCH_ID}},
+    "cancel_run": {"properties": {**_REQUEST_ID}},
     "cancel_key": {"required": ["idempotency_key"],
-                   "properties": {"idempotency_key": {"type": "string"}}},
-    "complete_step": {"required": ["step"], "properties": {"step": {"type": "string"}}},
-    "fail_run": {"properties": {"error": {"type": "string"}}},
+                   "properties": {"idempotency_key": {"type": "string"}, **_REQUEST_ID}},
+    "complete_step": {"required": ["step"],
+                      "properties": {"step": {"type": "string"}, **_REQUEST_ID}},
+    "fail_run": {"properties": {"error": {"type": "string"}, **_REQUEST_ID}},
     "reconcile_keys": {"properties": {"dry_run": {"type": "boolean", "default": True},
                                       "workflow": {"type": "string"}}},
 }  # fmt: skip
 _OK: dict[str, dict[str, Any]] = {
     "start": {"202": ("a new run started", _START_REPLY),
               "200": ("deduplicated: the key's run", _START_REPLY)},
-    "start_batch": {"200": ("one entry per item, in order", {"type": "object"})},
+    "start_batch": {"200": ("the batch id, and one entry per item, in order", {
+        "type": "object",
+        "properties": {"status": {"const": "ok"}, "batch_id": {"type": "string"},
+                       "items": {"type": "array", "items": {"type": "object"}}}})},
     "list_runs": {"200": ("a page of runs and the next cursor", {
         "type": "object",
         "properties": {"runs": {"type": "array", "items": _RUN},
@@ -122,7 +154,8 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
                 {"name": "phase", "in": "query", "schema": {"enum": list(PHASES)}},
                 {"name": "limit", "in": "query",
                  "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
-                {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                {"name": "cursor", "in": "query",
+                 "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
             ]  # fmt: skip
         if name in _BODIES:
             operation["requestBody"] = {

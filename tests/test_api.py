@@ -232,5 +232,123 @@ def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path, start_red
         assert reply.status_code == 503
         assert reply.json()["code"] == "STORE_UNAVAILABLE"
         assert reply.headers["Retry-After"] == "5"
+        # A batch whose outcome is unknown names its batch id, for the retry.
+        batch = httpx.post(
+            listener.base_url + "/v1/workflows/sync/batch",
+            json={"items": [{}], "batch_id": "b-9"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+        assert batch.status_code == 503
+        assert (batch.json()["code"], batch.json()["batch_id"]) == ("STORE_UNAVAILABLE", "b-9")
     finally:
         listener.stop()
+
+
+@pytest.mark.slow
+async def test_250_concurrent_reads_wait_for_a_connection_instead_of_503(
+    listener: Listener, api: httpx.Client
+):
+    """The API's Redis pool holds 100 connections; a burst beyond that waits for one
+    (a blocking pool, bounded by redis_timeout) rather than failing fast with 503."""
+    import asyncio
+    from collections import Counter
+
+    for i in range(5):
+        api.post("/v1/workflows/sync/runs", json={"idempotency_key": f"k{i}"})
+    limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+    async with httpx.AsyncClient(
+        base_url=listener.base_url, headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30, limits=limits,
+    ) as client:  # fmt: skip
+
+        async def read() -> int:
+            reply = await client.get("/v1/workflows/sync/runs", params={"limit": 5})
+            return reply.status_code
+
+        started = time.monotonic()
+        statuses = Counter(await asyncio.gather(*(read() for _ in range(250))))
+        elapsed = time.monotonic() - started
+    print(f"FIGURES admin_reads_250: statuses={dict(statuses)} seconds={elapsed:.2f}")
+    assert statuses == Counter({200: 250})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("limit", "²"), ("limit", "٣"), ("limit", str(2**63)), ("limit", "0"), ("limit", "-1"),
+     ("limit", "1001"), ("limit", ""), ("limit", "1e3"),
+     ("cursor", "²"), ("cursor", str(2**63)), ("cursor", "9" * 19), ("cursor", "-1"),
+     ("cursor", "abc"), ("cursor", "")],
+)  # fmt: skip
+def test_bad_limit_or_cursor_is_422_validation_params(api: httpx.Client, name: str, value: str):
+    reply = api.get("/v1/workflows/sync/runs", params={name: value})
+    assert reply.status_code == 422, reply.text
+    body = reply.json()
+    assert body["code"] == "VALIDATION_PARAMS"
+    expected = {"limit": "limit must be a whole number from 1 to 1000 (got ",
+                "cursor": "cursor must be the value a previous page returned (got "}  # fmt: skip
+    assert body["message"].startswith(expected[name])
+
+
+def test_a_retried_start_with_its_request_id_returns_the_first_run(api: httpx.Client, server):
+    import redis
+
+    first = api.post("/v1/workflows/sync/runs", json={"request_id": "req-4417"})
+    assert first.status_code == 202
+    again = api.post("/v1/workflows/sync/runs", json={"request_id": "req-4417"})
+    # The first call's result: "created", as if its reply had arrived.
+    assert (again.status_code, again.json()) == (202, first.json())
+    other = api.post("/v1/workflows/sync/runs", json={"request_id": "req-4418"})
+    assert other.json()["run_id"] != first.json()["run_id"]
+    runs = api.get("/v1/workflows/sync/runs").json()["runs"]
+    assert sorted(r["run_id"] for r in runs) == sorted(
+        [first.json()["run_id"], other.json()["run_id"]]
+    )
+    assert redis.Redis.from_url(server.url).xlen("realm:{sync}:stream") == 2
+    bad = api.post("/v1/workflows/sync/runs", json={"request_id": 7})
+    assert (bad.status_code, bad.json()["code"]) == (422, "VALIDATION_BODY")
+    long = api.post("/v1/workflows/sync/runs", json={"request_id": "r" * 201})
+    assert (long.status_code, long.json()["code"]) == (422, "VALIDATION_PARAMS")
+
+
+def test_request_ids_on_batch_complete_fail_and_cancel(api: httpx.Client):
+    items = {"items": [{"params": {}}, {"params": {}}]}
+    made = api.post("/v1/workflows/sync/batch", json=items).json()
+    assert re.fullmatch(r"[0-9a-f-]{36}", made["batch_id"])
+    first = api.post("/v1/workflows/sync/batch", json={**items, "batch_id": "b-1"}).json()
+    again = api.post("/v1/workflows/sync/batch", json={**items, "batch_id": "b-1"}).json()
+    assert first["batch_id"] == again["batch_id"] == "b-1"
+    ids = [i["run_id"] for i in first["items"]]
+    assert [i["run_id"] for i in again["items"]] == ids
+    assert len(api.get("/v1/workflows/sync/runs").json()["runs"]) == 4
+
+    a, b = ids
+    done = api.post(f"/v1/runs/{a}/complete", json={"step": "fetch", "request_id": "c-1"})
+    resent = api.post(f"/v1/runs/{a}/complete", json={"step": "fetch", "request_id": "c-1"})
+    assert resent.status_code == done.status_code == 200
+    assert resent.json() == done.json()
+    failed = api.post(f"/v1/runs/{a}/fail", json={"error": "boom", "request_id": "f-1"})
+    refailed = api.post(f"/v1/runs/{a}/fail", json={"error": "boom", "request_id": "f-1"})
+    assert refailed.status_code == failed.status_code == 200
+    assert refailed.json()["phase"] == "failed"
+    cancel = api.post(f"/v1/runs/{b}/cancel", json={"request_id": "x-1"})
+    assert cancel.json() == api.post(f"/v1/runs/{b}/cancel", json={"request_id": "x-1"}).json()
+    assert cancel.json() == {"cancelled": 1}
+    api.post("/v1/workflows/sync/runs", json={"idempotency_key": "k"})
+    by_key = {"idempotency_key": "k", "request_id": "x-2"}
+    assert api.post("/v1/workflows/sync/cancel", json=by_key).json() == {"cancelled": 1}
+    assert api.post("/v1/workflows/sync/cancel", json=by_key).json() == {"cancelled": 1}
+
+
+def test_openapi_documents_the_request_ids(listener: Listener):
+    document = httpx.get(listener.base_url + "/openapi.json", timeout=10).json()
+
+    def body(path: str) -> dict:
+        operation = document["paths"][path]["post"]
+        return operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+    for path in ("/v1/workflows/{workflow}/runs", "/v1/runs/{run_id}/complete",
+                 "/v1/runs/{run_id}/fail", "/v1/runs/{run_id}/cancel",
+                 "/v1/workflows/{workflow}/cancel"):  # fmt: skip
+        assert body(path)["request_id"]["type"] == "string", path
+    assert "batch_id" in body("/v1/workflows/{workflow}/batch")

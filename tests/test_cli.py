@@ -160,7 +160,7 @@ def test_unknown_workflow_and_run(cli):
          "$.type: 'objekt' is not valid under any of the given schemas"),
         ("version: 1\nworkflows:\n  w:\n    stepz: [a]\n",
          "triggers.yaml: workflow 'w': field 'stepz': unknown field; allowed: "
-         "['description', 'params_schema', 'retention', 'steps']"),
+         "['description', 'params_schema', 'retention', 'steps', 'stream_retention']"),
         ("version: 2\nworkflows: {}\n", "triggers.yaml: field 'version' must be 1 (got 2)"),
         ("version: 1\nworkflows: [\n", "triggers.yaml: not valid YAML at line 3, column 1"),
     ],
@@ -182,6 +182,15 @@ def test_an_unreachable_store_is_store_unavailable_not_a_traceback(workdir: Path
     assert out.returncode == 4
     assert out.stdout.startswith("status: error\nSTORE_UNAVAILABLE: Redis is unreachable")
     assert "Traceback" not in out.stderr
+    # A batch whose outcome is unknown prints the batch id to retry with.
+    (workdir / "items.json").write_text("[{}]")
+    out = realm("run", "batch", "sync", "--items", "items.json", "--redis-url",
+                f"redis://127.0.0.1:{free_port()}", cwd=workdir)  # fmt: skip
+    assert out.returncode == 4
+    assert re.fullmatch(
+        rf"status: error\nSTORE_UNAVAILABLE: Redis is unreachable[^\n]*\nbatch_id: {UUID}\n",
+        out.stdout,
+    )
 
 
 def test_batch_prints_one_line_per_item(cli, workdir: Path):
@@ -194,9 +203,11 @@ def test_batch_prints_one_line_per_item(cli, workdir: Path):
     out = cli("run", "batch", "sync", "--items", "items.json")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert re.fullmatch(rf"order-21    run {UUID}  deduped: false", lines[0])
-    assert re.fullmatch(rf"order-22    run {UUID}  deduped: false", lines[1])
-    assert lines[2] == f"order-4417  run {existing['run_id']}  deduped: true"
+    assert lines[0] == "status: ok"
+    assert re.fullmatch(rf"batch_id: {UUID}", lines[1])
+    assert re.fullmatch(rf"order-21    run {UUID}  deduped: false", lines[2])
+    assert re.fullmatch(rf"order-22    run {UUID}  deduped: false", lines[3])
+    assert lines[4] == f"order-4417  run {existing['run_id']}  deduped: true"
 
 
 def test_batch_with_a_bad_item_starts_nothing(cli, workdir: Path):
@@ -227,4 +238,164 @@ def test_reconcile_dry_run_prints_the_documented_report(cli):
         "Would write 0 pointer(s) across 1 key group(s); 1 already current.\n"
         "Duplicate-key groups: 1\n"
         f"  - workflow 'sync' → canonical {second}; other runs: {first}\n"
+    )
+
+
+def test_a_retried_batch_with_its_batch_id_starts_nothing_twice(cli, workdir: Path):
+    (workdir / "items.json").write_text(json.dumps([{"params": {}}, {"params": {}}]))
+    first = cli("run", "batch", "sync", "--items", "items.json", "--batch-id", "nightly-7")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.splitlines()[:2] == ["status: ok", "batch_id: nightly-7"]
+    again = cli("run", "batch", "sync", "--items", "items.json", "--batch-id", "nightly-7")
+    ids = re.findall(rf"run ({UUID})", first.stdout)
+    assert len(ids) == 2 and re.findall(rf"run ({UUID})", again.stdout) == ids
+    listed = json.loads(cli("run", "list", "--workflow", "sync", "--json").stdout)
+    assert sorted(r["run_id"] for r in listed["runs"]) == sorted(ids)
+    # Without --batch-id, one is made and printed, in the JSON reply too.
+    made = json.loads(cli("run", "batch", "sync", "--items", "items.json", "--json").stdout)
+    assert re.fullmatch(UUID, made["batch_id"]) and len(made["items"]) == 2
+
+
+def test_on_params_mismatch_on_start_and_batch(cli, workdir: Path):
+    first = cli("run", "start", "sync", "--key", "k", "--params", '{"n": 1}', "--json")
+    run_id = json.loads(first.stdout)["run_id"]
+    flagged = cli("run", "start", "sync", "--key", "k", "--params", '{"n": 2}')
+    assert flagged.returncode == 0
+    assert "params_mismatch: true\n" in flagged.stdout and run_id in flagged.stdout
+    refused = cli("run", "start", "sync", "--key", "k", "--params", '{"n": 2}',
+                  "--on-params-mismatch", "reject")  # fmt: skip
+    assert refused.returncode == 1
+    assert refused.stdout.startswith(
+        f"status: error\nSTATE_IDEMPOTENCY_KEY_CONFLICT: Idempotency key for workflow 'sync' "
+        f"is owned by run '{run_id}'"
+    )
+    (workdir / "items.json").write_text(json.dumps([{"params": {"n": 3}, "idempotency_key": "k"}]))
+    batch = cli("run", "batch", "sync", "--items", "items.json",
+                "--on-params-mismatch", "reject", "--json")  # fmt: skip
+    assert json.loads(batch.stdout)["items"][0]["code"] == "STATE_IDEMPOTENCY_KEY_CONFLICT"
+    bad = cli("run", "start", "sync", "--on-params-mismatch", "maybe")
+    assert bad.returncode == 2 and "'maybe' is not one of 'flag', 'reject'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_retried_start_with_its_request_id_starts_one_run(cli):
+    first = cli("run", "start", "sync", "--request-id", "req-1", "--json")
+    again = cli("run", "start", "sync", "--request-id", "req-1", "--json")
+    assert first.returncode == again.returncode == 0, first.stdout + again.stdout
+    assert json.loads(again.stdout)["run_id"] == json.loads(first.stdout)["run_id"]
+    assert len(json.loads(cli("run", "list", "--json").stdout)["runs"]) == 1
+    run_id = json.loads(first.stdout)["run_id"]
+    done = cli("run", "complete", run_id, "--step", "fetch", "--request-id", "c-1")
+    resent = cli("run", "complete", run_id, "--step", "fetch", "--request-id", "c-1")
+    assert resent.returncode == 0 and resent.stdout == done.stdout
+    cancelled = cli("run", "cancel", run_id, "--request-id", "x-1")
+    assert (
+        cli("run", "cancel", run_id, "--request-id", "x-1").stdout
+        == cancelled.stdout
+        == ("status: ok\ncancelled: 1\n")
+    )
+
+
+async def _start_runs(url: str, workflows: list[str]) -> list[str]:
+    """Start one keyless run per entry, in order (in process: quicker than the CLI)."""
+    from gateway.config import parse_config
+    from gateway.connection import redis_client
+    from gateway.store import RunStore
+
+    client = redis_client(url, 5.0)
+    store = RunStore(client, parse_config(WORKFLOWS_YAML, with_triggers=False))
+    try:
+        params = {"repo": "o/r", "sha": "abcdef0"}
+        return [
+            (await store.start_run(w, params if w == "deploy" else {})).run_id for w in workflows
+        ]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.slow
+def test_run_list_prints_a_header_and_pages_across_workflows(cli, redis_server):
+    import asyncio
+
+    order = ["sync", "single", "sync", "deploy", "single", "sync", "sync"]
+    started = asyncio.run(_start_runs(redis_server.url, order))
+    seen: list[str] = []
+    cursor: list[str] = []
+    pages = 0
+    while pages < 10:
+        out = cli("run", "list", "--limit", "3", *cursor)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].split() == ["RUN", "ID", "WORKFLOW", "PHASE", "STEP", "KEY"]
+        assert lines[0].index("WORKFLOW") == lines[1].index(lines[1].split()[1])
+        pages += 1
+        more = re.fullmatch(r"More runs exist: pass --cursor (\S+) for the next page\.",
+                            lines[-1])  # fmt: skip
+        rows = lines[1:-1] if more else lines[1:]
+        assert len(rows) == (3 if more else len(started) - len(seen))
+        seen += [row.split()[0] for row in rows]
+        if not more:
+            break
+        cursor = ["--cursor", more.group(1)]
+    assert pages == 3
+    # Each run once; newest first (runs started in the same millisecond in different
+    # workflows may come in either order, but each workflow's own order is kept).
+    assert sorted(seen) == sorted(started) and len(set(seen)) == len(seen)
+    for workflow in set(order):
+        mine = [run for run, w in zip(started, order, strict=True) if w == workflow]
+        assert [run for run in seen if run in mine] == mine[::-1]
+    # A page that shows the last run says nothing of more runs.
+    whole = cli("run", "list", "--limit", "7").stdout.splitlines()
+    assert len(whole) == 8 and not whole[-1].startswith("More")
+    # One workflow; JSON carries the cursor too (null on the last page); the bare
+    # offset the HTTP API returns is accepted as well.
+    page = json.loads(cli("run", "list", "--workflow", "sync", "--limit", "3", "--json").stdout)
+    assert [r["run_id"] for r in page["runs"]] == [started[6], started[5], started[2]]
+    assert page["cursor"] == "sync:3"
+    for cursor_text in ("sync:3", "3"):
+        rest = cli("run", "list", "--workflow", "sync", "--cursor", cursor_text, "--json")
+        assert json.loads(rest.stdout) == {
+            "runs": [json.loads(cli("run", "show", started[0], "--json").stdout)],
+            "cursor": None,
+        }
+    for bad in ("²", "9223372036854775808", "sync:x", "nope:1"):
+        refused = cli("run", "list", "--limit", "3", "--cursor", bad)
+        assert refused.returncode == 1
+        assert refused.stdout.startswith("status: error\nVALIDATION_PARAMS: cursor must be ")
+        assert "Traceback" not in refused.stderr
+
+
+FORGED = f"x\nstatus: ok\nrun_id: {'6c48086c-cb0f-47ea-9c33-6279fe42ffdc'}\n\x1b[2K\x1b[1Aok"
+
+
+@pytest.mark.slow
+def test_keys_and_errors_cannot_forge_reply_lines(cli, workdir: Path):
+    """A key or error text holding newlines and ANSI escapes is printed escaped (as a
+    JSON string) in every text reply; a plain key is printed as it is."""
+    escaped = json.dumps(FORGED)
+    run_id = json.loads(cli("run", "start", "sync", "--key", FORGED, "--json").stdout)["run_id"]
+    listed = cli("run", "list", "--workflow", "sync").stdout
+    shown = cli("run", "show", run_id).stdout
+    cli("run", "fail", run_id, "--error", FORGED)
+    failed = cli("run", "show", run_id).stdout
+    (workdir / "items.json").write_text(json.dumps([{"idempotency_key": FORGED}]))
+    batch = cli("run", "batch", "sync", "--items", "items.json").stdout
+    refused = cli("run", "start", FORGED).stdout
+    for out in (listed, shown, failed, batch, refused):
+        assert "\x1b" not in out
+        assert [line for line in out.splitlines() if line.startswith("status:")] in (
+            [],
+            ["status: ok"],
+            ["status: error"],
+        ), out
+        assert not any(line.startswith("run_id: 6c48086c") for line in out.splitlines()), out
+    assert listed.splitlines()[1].endswith(f"running    fetch        {escaped}")
+    assert f"Idempotency key: {escaped}\n" in shown
+    assert f"Error: {escaped}\n" in failed
+    assert batch.splitlines()[2].startswith(f"{escaped}  run {run_id}")
+    assert refused.startswith("status: error\nNOT_FOUND_WORKFLOW: Workflow 'x\\nstatus: ok")
+    plain = cli("run", "start", "sync", "--key", "order 4417/é", "--json")
+    assert (
+        "Idempotency key: order 4417/é\n"
+        in cli("run", "show", json.loads(plain.stdout)["run_id"]).stdout
     )
