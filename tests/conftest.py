@@ -14,8 +14,6 @@ from gateway.store import RunStore
 from tests.listener import Listener
 from tests.servers import RedisServer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-
 WORKFLOWS_YAML = """
 version: 1
 workflows:

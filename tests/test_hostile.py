@@ -32,8 +32,9 @@ from gateway.verify import VerifySpec, parse_verify, sign, verify
 from tests.listener import Listener
 from tests.servers import RedisServer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-VECTORS_FILE = FIXTURES / "vectors.json"
+# Payloads and vectors kept with the tests (tests/payloads/README.md says where from).
+PAYLOADS = Path(__file__).resolve().parent / "payloads"
+VECTORS_FILE = PAYLOADS / "vectors.json"
 
 GITHUB_SECRET = "gh-hostile-4b1d8e2f9a7c6350"
 STRIPE_SECRET = "whsec_hostileStripe7e2a9c4b1d0f"
@@ -64,8 +65,6 @@ VECTOR_SCHEMES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 def _negative_vectors() -> list[dict[str, Any]]:
-    if not VECTORS_FILE.is_file():
-        return []
     data = json.loads(VECTORS_FILE.read_text())
     return [
         v
@@ -296,12 +295,11 @@ def test_controls_valid_signatures_start_runs(http, db):
 
 def test_fixture_negative_vectors_fail_at_their_own_time():
     """Unit level: each derived-negative vector, checked at the vector's own time."""
-    if not NEGATIVE_VECTORS:
-        pytest.skip(f"{VECTORS_FILE} absent or holds no derived-negative vector")
+    assert NEGATIVE_VECTORS, f"{VECTORS_FILE} holds no derived-negative vector"
     for v in NEGATIVE_VECTORS:
         verify_raw, _ = VECTOR_SCHEMES[v["scheme"]]
         spec = _spec({**verify_raw, "secret_env": "S"}, {"S": v["secret"]})
-        body = (FIXTURES / v["body_file"]).read_bytes()
+        body = (PAYLOADS / v["body_file"]).read_bytes()
         now = float(v.get("verify_at", v.get("timestamp", time.time())))
         reason = verify(spec, Headers(headers=v["headers"]), body, now)
         assert reason is not None, v["id"]
@@ -326,12 +324,11 @@ def _fresh_variant(v: dict[str, Any], body: bytes, secret: str) -> HeaderList:
 
 
 def test_fixture_negative_vectors_end_to_end(http, db):
-    if not NEGATIVE_VECTORS:
-        pytest.skip(f"{VECTORS_FILE} absent or holds no derived-negative vector")
+    assert NEGATIVE_VECTORS, f"{VECTORS_FILE} holds no derived-negative vector"
     latencies = []
     for v in NEGATIVE_VECTORS:
         path = f"/vec/{VECTOR_SLOTS[(v['scheme'], v['secret'])]}"
-        body = (FIXTURES / v["body_file"]).read_bytes()
+        body = (PAYLOADS / v["body_file"]).read_bytes()
         if "timestamp" in v:
             headers = _fresh_variant(v, body, v["secret"])
         else:

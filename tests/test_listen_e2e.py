@@ -38,7 +38,8 @@ from gateway.verify import VerifySpec, parse_verify, sign
 from tests.listener import Listener
 from tests.servers import RedisServer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# Payloads kept with the tests (tests/payloads/README.md says where from).
+PAYLOADS = Path(__file__).resolve().parent / "payloads"
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "triggers.yaml"
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -314,10 +315,7 @@ def new_delivery() -> str:
 
 
 def load_fixture(relative: str) -> dict[str, Any]:
-    path = FIXTURES / relative
-    if not path.is_file():
-        pytest.skip(f"fixture {path} is not present")
-    return json.loads(path.read_bytes())
+    return json.loads((PAYLOADS / relative).read_bytes())
 
 
 # --------------------------------------------------------------------------- reply and state
