@@ -3,20 +3,35 @@
 A key group is the ``keyruns`` set of one idempotency key. The walk goes
 through the store in SCAN batches (never KEYS, never one command over the
 whole store), so its memory stays flat however many runs there are. Repairs
-are compare-and-set (``repoint.lua``): a start racing a repair keeps its pointer.
+are decided inside ``repoint.lua`` from the key's run set as Redis holds it at
+that moment: a repair points a key only at the newest run of its key that exists,
+so a start racing a repair keeps its pointer, and a pointer naming a run that no
+longer exists (``dangling``) is moved to the newest one left, or removed with its
+set when none is. Every call goes through the store's retry; a resent repair
+reports what its first attempt did (its operation record).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio.client import Pipeline
+
+from gateway.keys import Keys
+from gateway.runs import new_run_id, text_of
 from gateway.store import RunStore
 
 SCAN_COUNT = 1000
 # Duplicate groups listed in a report; the count covers them all.
 MAX_LISTED = 20
+# Runs a repair first names to its script (the newest it read, newest first), the
+# most it names after `need` replies, and its script calls: each bound is far above
+# what a key sees, and a repair left over is counted `moved`, for the next walk.
+FIRST_CANDIDATES = 8
+MAX_CANDIDATES = 64
+MAX_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -34,7 +49,9 @@ class ReconcileReport:
     current: int = 0
     missing: int = 0
     stale: int = 0
+    dangling: int = 0  # pointers naming a run that no longer exists
     written: int = 0
+    deleted: int = 0  # dangling pointers removed: no run of their key exists
     moved: int = 0
     duplicate_groups: int = 0
     duplicates: list[DuplicateGroup] = field(default_factory=list)
@@ -43,7 +60,7 @@ class ReconcileReport:
 
     @property
     def to_write(self) -> int:
-        return self.missing + self.stale
+        return self.missing + self.stale + self.dangling
 
     def text(self) -> str:
         if self.dry_run:
@@ -53,8 +70,14 @@ class ReconcileReport:
         lines = [
             f"{head} across {self.groups} key group(s); {self.current} already current.",
         ]
-        if self.to_write:
+        if self.missing or self.stale:
             lines.append(f"Missing pointers: {self.missing}; stale pointers: {self.stale}.")
+        if self.dangling:
+            lines.append(
+                f"Dangling pointers (naming a run that no longer exists): {self.dangling}."
+            )
+        if self.deleted:
+            lines.append(f"Deleted {self.deleted} dangling pointer(s): their key has no run left.")
         if self.moved:
             lines.append(f"Left {self.moved} pointer(s) alone: a start moved them meanwhile.")
         lines.append(f"Duplicate-key groups: {self.duplicate_groups}")
@@ -74,7 +97,9 @@ class ReconcileReport:
             "already_current": self.current,
             "missing": self.missing,
             "stale": self.stale,
+            "dangling": self.dangling,
             "written": self.written,
+            "deleted": self.deleted,
             "moved": self.moved,
             "duplicate_groups": self.duplicate_groups,
             "duplicates": [
@@ -112,7 +137,11 @@ async def reconcile(
         while True:
             # One deadline per batch: the walk may take minutes, a batch never should.
             async with store.deadline():
-                cursor, found = await store.redis.scan(cursor, match=f"{prefix}*", count=SCAN_COUNT)
+                cursor, found = await store._retrying(
+                    lambda cursor=cursor, match=f"{prefix}*": store.redis.scan(
+                        cursor, match=match, count=SCAN_COUNT
+                    )
+                )
                 if found:
                     groups = [g.decode() for g in found]
                     await _check_groups(store, name, groups, prefix, report)
@@ -132,72 +161,138 @@ async def count_runs(store: RunStore, workflow: str | None = None) -> int:
         return sum(await pipe.execute())
 
 
+@dataclass
+class _Repair:
+    key: str
+    op: str  # the operation record of this repair (its resend reports the first reply)
+    candidates: list[str]  # run ids whose hashes the script may check, newest first
+
+
 async def _check_groups(
     store: RunStore, workflow: str, groups: list[str], prefix: str, report: ReconcileReport
 ) -> None:
-    redis = store.redis
     keys = store.keys(workflow)
     idem_keys = [g[len(prefix) :] for g in groups]
-    async with redis.pipeline(transaction=False) as pipe:
+
+    async def read(pipe: Pipeline) -> None:
         for group, key in zip(groups, idem_keys, strict=True):
             pipe.zrange(group, 0, -1)
             pipe.hget(keys.pointer(key), "run")
-        read = await pipe.execute()
-    members = [[m.decode() for m in read[2 * i]] for i in range(len(groups))]
-    pointers = [p.decode() if p else "" for p in read[1::2]]
 
-    # Which runs still exist: ended runs expire, their set entries do not.
-    async with redis.pipeline(transaction=False) as pipe:
-        for runs in members:
-            for run_id in runs:
+    got = await _pipelined(store, read)
+    members = [[text_of(m) for m in got[2 * i]] for i in range(len(groups))]
+    pointers = [text_of(p) if p else "" for p in got[1::2]]
+
+    # Which runs still exist: ended runs expire, their set entries do not. A pointer
+    # that names a run outside its set is checked too (it may name nothing at all).
+    checked = [[*runs, *([p] if p and p not in runs else [])] for runs, p in zip(
+        members, pointers, strict=True)]  # fmt: skip
+
+    async def exist(pipe: Pipeline) -> None:
+        for ids in checked:
+            for run_id in ids:
                 pipe.exists(keys.run(run_id))
-        exists = iter(await pipe.execute())
-    alive = [[r for r in runs if next(exists)] for runs in members]
 
-    repairs: list[tuple[str, str, str]] = []
-    async with redis.pipeline(transaction=False) as prune:
-        for group, key, runs, live_runs, pointer in zip(
-            groups, idem_keys, members, alive, pointers, strict=True
-        ):
-            gone = [r for r in runs if r not in live_runs]
-            if gone and not report.dry_run:
-                prune.zrem(group, *gone)
-                report.pruned += len(gone)
-            if not live_runs:
-                continue  # every run of the key expired: the group is gone
-            report.groups += 1
-            report.runs += len(live_runs)
-            newest = live_runs[-1]  # scores rise strictly with start order
-            if pointer == newest:
-                report.current += 1
+    answers = iter(await _pipelined(store, exist))
+    existing = [{r for r in ids if next(answers)} for ids in checked]
+
+    repairs: list[_Repair] = []
+    prunes: list[tuple[str, list[str]]] = []
+    for group, key, runs, found, pointer in zip(
+        groups, idem_keys, members, existing, pointers, strict=True
+    ):
+        live_runs = [r for r in runs if r in found]  # "live" here: the hash exists
+        gone = [r for r in runs if r not in found]
+        if gone and not report.dry_run:
+            prunes.append((group, gone))
+            report.pruned += len(gone)
+        if not live_runs and not pointer:
+            continue  # every run of the key expired: the group is gone
+        report.groups += 1
+        report.runs += len(live_runs)
+        newest = live_runs[-1] if live_runs else ""  # scores rise strictly with start order
+        if pointer and pointer == newest:
+            report.current += 1
+        else:
+            if not pointer:
+                report.missing += 1
+            elif pointer not in found:
+                report.dangling += 1
             else:
-                if pointer:
-                    report.stale += 1
-                else:
-                    report.missing += 1
-                repairs.append((key, pointer, newest))
-            if len(live_runs) > 1:
-                report.duplicate_groups += 1
-                if len(report.duplicates) < MAX_LISTED:
-                    report.duplicates.append(
-                        DuplicateGroup(workflow, key, newest, tuple(reversed(live_runs[:-1])))
-                    )
-        if not report.dry_run:
-            await prune.execute()
+                report.stale += 1
+            # The script decides the target itself, from the set as it is then: it is
+            # given the newest runs read (and the pointer's run) to check.
+            candidates = live_runs[::-1][:FIRST_CANDIDATES]
+            if pointer and pointer not in candidates:
+                candidates.append(pointer)
+            repairs.append(_Repair(key, keys.op(new_run_id()), candidates))
+        if len(live_runs) > 1:
+            report.duplicate_groups += 1
+            if len(report.duplicates) < MAX_LISTED:
+                report.duplicates.append(
+                    DuplicateGroup(workflow, key, newest, tuple(reversed(live_runs[:-1])))
+                )
 
-    if report.dry_run or not repairs:
+    if report.dry_run:
         return
-    async with redis.pipeline(transaction=False) as pipe:
-        for key, held, newest in repairs:
-            await store.scripts.repoint(
-                [keys.pointer(key), keys.key_runs(key), keys.run(newest)],
-                [held, newest],
-                client=pipe,
-            )
-        replies = await pipe.execute()
-    for reply in replies:
-        outcome = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
-        if outcome == "written":
-            report.written += 1
-        elif outcome == "moved":
-            report.moved += 1
+    if prunes:
+
+        async def prune(pipe: Pipeline) -> None:
+            for group, gone in prunes:
+                pipe.zrem(group, *gone)
+
+        await _pipelined(store, prune)
+    await _repair(store, keys, repairs, report)
+
+
+async def _repair(
+    store: RunStore, keys: Keys, repairs: list[_Repair], report: ReconcileReport
+) -> None:
+    """Send the repairs, one pipeline a round, until each is decided (bounded by
+    MAX_ROUNDS here and by the caller's deadline)."""
+    pending = repairs
+    for _ in range(MAX_ROUNDS):
+        if not pending:
+            return
+
+        async def send(pipe: Pipeline, batch: list[_Repair] = pending) -> None:
+            for r in batch:
+                await store.scripts.repoint(
+                    [keys.pointer(r.key), keys.key_runs(r.key), r.op,
+                     *(keys.run(c) for c in r.candidates)],
+                    r.candidates,
+                    client=pipe,
+                )  # fmt: skip
+
+        replies = await _pipelined(store, send)
+        again: list[_Repair] = []
+        for r, reply in zip(pending, replies, strict=True):
+            outcome = text_of(reply[0])
+            if outcome == "written":
+                report.written += 1
+            elif outcome == "deleted":
+                report.deleted += 1
+            elif outcome == "current":
+                report.moved += 1
+            else:  # need: the set moved on since it was read; pass what it names
+                more = [text_of(x) for x in reply[1:] if text_of(x) not in r.candidates]
+                if not more or len(r.candidates) + len(more) > MAX_CANDIDATES:
+                    report.moved += 1  # left for the next walk
+                    continue
+                r.candidates.extend(more)
+                again.append(r)
+        pending = again
+    report.moved += len(pending)  # starts kept moving these keys: left for the next walk
+
+
+async def _pipelined(store: RunStore, fill: Callable[[Pipeline], Awaitable[None]]) -> list[Any]:
+    """One pipeline of reads or repairs through the store's retry: a fresh pipeline
+    per try (a failed one forgets its commands). Every command in it is safe to
+    send twice: reads, removals of gone members, repairs with an operation record."""
+
+    async def once() -> list[Any]:
+        async with store.redis.pipeline(transaction=False) as pipe:
+            await fill(pipe)
+            return await pipe.execute()
+
+    return await store._retrying(once)

@@ -1,14 +1,19 @@
-"""Reconcile against a real server: dry run, repair, idempotence, and racing starts."""
+"""Reconcile against a real server: dry run, repair, idempotence, racing starts,
+dangling pointers and a lost repair reply."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
+from gateway.connection import redis_client
 from gateway.keys import Keys
 from gateway.reconcile import reconcile
 from gateway.store import RunStore
+from tests.tcp_proxy import TcpProxy, _Pending, parse_command, resp_end
 
 KEYS = Keys("realm", "sync")
 
@@ -74,17 +79,156 @@ async def test_dry_run_reports_then_repair_then_everything_is_current(
     assert (await redis.hget(KEYS.pointer("ok"), "run")).decode() == ok
 
 
-async def test_a_repair_never_overwrites_a_pointer_a_start_moved(store: RunStore, redis: Redis):
-    chain = await rerun_chain(store, "k", 2)
-    await redis.hset(KEYS.pointer("k"), "run", chain[0])  # stale, as reconcile would read it
-    # A start reruns the key between reconcile's read and its write...
-    newer = await store.start_run("sync", {}, "k", on_terminal_match="rerun")
-    # ...so the compare-and-set, holding what it read, must leave the pointer alone.
+async def repoint(store: RunStore, key: str, candidates: list[str], op: str = "op-1") -> list:
+    """One repoint call naming these candidate runs; its reply as text."""
     reply = await store.scripts.repoint(
-        [KEYS.pointer("k"), KEYS.key_runs("k"), KEYS.run(chain[1])], [chain[0], chain[1]]
+        [KEYS.pointer(key), KEYS.key_runs(key), KEYS.op(op), *map(KEYS.run, candidates)],
+        candidates,
     )
-    assert reply == [b"moved"]
+    return [x.decode() for x in reply]
+
+
+async def test_a_repair_decides_from_the_set_as_it_is_not_as_it_was_read(
+    store: RunStore, redis: Redis
+):
+    chain = await rerun_chain(store, "k", 2)
+    # A walk read the set as [chain[0], chain[1]] and the pointer as something else,
+    # then a start reran the key before the repair arrived: the key's newest run is
+    # now one the repair was not told about.
+    newer = await store.start_run("sync", {}, "k", on_terminal_match="rerun")
+    assert await repoint(store, "k", [chain[1], chain[0]]) == ["need", newer.run_id]
+    # Told about it, the script finds the key already points at its newest run.
+    assert await repoint(store, "k", [chain[1], chain[0], newer.run_id]) == [
+        "current",
+        newer.run_id,
+    ]
     assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == newer.run_id
+
+
+async def test_a_repair_never_points_a_key_back_at_a_superseded_run(store: RunStore, redis: Redis):
+    # The defect of issue #9 item 2: the pointer still holds what the walk read (the
+    # compare-and-set of old passed), but the walk's idea of the newest run was older.
+    first = await store.start_run("sync", {}, "k")
+    second = await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
+    reply = await repoint(store, "k", [first.run_id, second.run_id])
+    assert reply == ["current", second.run_id]
+    again = await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
+    runs, _ = await store.list_runs("sync", key="k")
+    assert [r.phase for r in runs] == ["running", "cancelled", "cancelled"]
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == again.run_id
+
+
+async def test_the_walk_skips_runs_that_are_gone_and_asks_for_the_members_below(
+    store: RunStore, redis: Redis
+):
+    chain = await rerun_chain(store, "k", 12)
+    await redis.delete(*(KEYS.run(r) for r in chain[2:]))  # the 10 newest are gone
+    # Told only of the newest, the script names the members below it, newest first.
+    reply = await repoint(store, "k", [chain[11]])
+    assert reply == ["need", *chain[10:2:-1]]
+    reply = await repoint(store, "k", [chain[11], *chain[10:2:-1]])
+    assert reply == ["need", chain[2], chain[1], chain[0]]
+    reply = await repoint(store, "k", [*chain[::-1]])
+    assert reply == ["written", chain[1], chain[11]]
+    # The gone members it walked past left the set; the pointer names chain[1].
+    members = [m.decode() for m in await redis.zrange(KEYS.key_runs("k"), 0, -1)]
+    assert members == chain[:2]
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == chain[1]
+    assert (await redis.hget(KEYS.pointer("k"), "phase")).decode() == "failed"
+    assert await redis.pttl(KEYS.pointer("k")) > 0
+
+
+async def test_a_dangling_pointer_is_reported_and_moved_to_the_newest_run_left(
+    store: RunStore, redis: Redis
+):
+    chain = await rerun_chain(store, "k", 3)
+    await redis.delete(KEYS.run(chain[2]))  # deleted or evicted: the pointer names nothing
+    ok = (await store.start_run("sync", {}, "ok")).run_id
+
+    report = await reconcile(store, dry_run=True)
+    assert report.text().splitlines()[:2] == [
+        "Would write 1 pointer(s) across 2 key group(s); 1 already current.",
+        "Dangling pointers (naming a run that no longer exists): 1.",
+    ]
+    assert (report.dangling, report.missing, report.stale) == (1, 0, 0)
+    assert report.as_dict()["dangling"] == 1
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == chain[2], "dry run"
+
+    repaired = await reconcile(store, dry_run=False)
+    assert repaired.text().splitlines()[:2] == [
+        "Wrote 1 pointer(s) across 2 key group(s); 1 already current.",
+        "Dangling pointers (naming a run that no longer exists): 1.",
+    ]
+    assert (repaired.written, repaired.dangling, repaired.deleted) == (1, 1, 0)
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == chain[1]
+    assert (await redis.hget(KEYS.pointer("ok"), "run")).decode() == ok
+    rerun = await store.start_run("sync", {}, "k", on_terminal_match="rerun")
+    assert rerun.rerun_of == chain[1]
+    assert (await reconcile(store, dry_run=True)).to_write == 0
+
+
+async def test_a_dangling_pointer_whose_key_has_no_run_left_is_removed(
+    store: RunStore, redis: Redis
+):
+    gone = (await store.start_run("sync", {}, "k")).run_id
+    await redis.delete(KEYS.run(gone))
+
+    report = await reconcile(store, dry_run=True)
+    assert report.text().splitlines()[:2] == [
+        "Would write 1 pointer(s) across 1 key group(s); 0 already current.",
+        "Dangling pointers (naming a run that no longer exists): 1.",
+    ]
+    repaired = await reconcile(store, dry_run=False)
+    assert repaired.text().splitlines()[:3] == [
+        "Wrote 0 pointer(s) across 1 key group(s); 0 already current.",
+        "Dangling pointers (naming a run that no longer exists): 1.",
+        "Deleted 1 dangling pointer(s): their key has no run left.",
+    ]
+    assert repaired.as_dict()["deleted"] == 1
+    assert await redis.exists(KEYS.pointer("k"), KEYS.key_runs("k")) == 0
+    # The key is free: a start begins afresh, superseding nothing.
+    fresh = await store.start_run("sync", {}, "k")
+    assert (fresh.deduped, fresh.rerun_of) == (False, None)
+    assert (
+        (await reconcile(store, dry_run=True))
+        .text()
+        .startswith("Would write 0 pointer(s) across 1 key group(s); 1 already current.")
+    )
+
+
+async def test_a_pointer_naming_a_run_outside_its_set_is_dangling_when_the_run_is_gone(
+    store: RunStore, redis: Redis
+):
+    chain = await rerun_chain(store, "k", 2)
+    await redis.hset(KEYS.pointer("k"), "run", "00000000-0000-4000-8000-000000000000")
+    report = await reconcile(store, dry_run=False)
+    assert (report.dangling, report.written) == (1, 1)
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == chain[1]
+
+
+async def test_a_repair_whose_reply_is_lost_reports_what_it_wrote(
+    store: RunStore, redis: Redis, redis_server, config
+):
+    chains = {k: await rerun_chain(store, k, 2) for k in ("a", "b", "c")}
+    for key, chain in chains.items():
+        await redis.hset(KEYS.pointer(key), "run", chain[0])  # stale
+    proxy = TcpProxy(redis_server.port).start()
+    client = redis_client(proxy.url, 5.0)
+    try:
+        through_proxy = RunStore(client, config, timeout=5.0)
+        proxy.drop_next_reply(b"EVALSHA")
+        report = await reconcile(through_proxy, dry_run=False)
+        assert not proxy.armed, "no repair went through the proxy"
+    finally:
+        await client.aclose()
+        proxy.stop()
+    # The first repair committed; its reply never arrived, the store resent the
+    # pipeline on a new connection, and the resend reported what the first did.
+    assert len(proxy.dropped) == 1
+    assert proxy.dropped[0].reply.startswith(b"*3\r\n$7\r\nwritten")
+    assert (report.stale, report.written, report.moved) == (3, 3, 0)
+    for key, chain in chains.items():
+        assert (await redis.hget(KEYS.pointer(key), "run")).decode() == chain[1]
 
 
 async def test_repair_racing_many_starts_leaves_every_key_at_its_newest_run(
@@ -105,3 +249,96 @@ async def test_repair_racing_many_starts_leaves_every_key_at_its_newest_run(
     assert report.written + report.moved + report.current >= 30
     after = await reconcile(store, dry_run=True)
     assert after.to_write == 0
+
+
+class StartBetween(TcpProxy):
+    """A proxy that, once, runs a start between two commands of one pipeline: after
+    Redis has answered the command ``after`` (so it ran), and before the commands
+    that follow it reach Redis. The race of issue #9 item 2, made deterministic."""
+
+    after: list[bytes] | None = None
+    between: Callable[[], Awaitable[None]] | None = None
+
+    async def _requests(
+        self, reader: asyncio.StreamReader, redis_w: asyncio.StreamWriter, pending: deque
+    ) -> None:
+        buf = bytearray()
+        sent = 0  # bytes of buf already forwarded
+        while chunk := await reader.read(65536):
+            buf += chunk
+            at = 0
+            while at < len(buf) and (parsed := parse_command(buf, at)) is not None:
+                args, at = parsed
+                entry = _Pending(args)
+                pending.append(entry)
+                if args == self.after and self.between is not None:
+                    between, self.between = self.between, None
+                    entry.answered = asyncio.Event()  # type: ignore[attr-defined]
+                    redis_w.write(bytes(buf[sent:at]))
+                    sent = at
+                    await redis_w.drain()
+                    await entry.answered.wait()  # type: ignore[attr-defined]
+                    await between()
+            redis_w.write(bytes(buf[sent:]))
+            await redis_w.drain()
+            del buf[:at]
+            sent = len(buf)
+
+    async def _replies(
+        self, reader: asyncio.StreamReader, client_w: asyncio.StreamWriter, pending: deque
+    ) -> None:
+        buf = bytearray()
+        while chunk := await reader.read(65536):
+            buf += chunk
+            at = 0
+            while at < len(buf) and (end := resp_end(buf, at)) is not None:
+                at = end
+                entry = pending.popleft()
+                if hasattr(entry, "answered"):
+                    entry.answered.set()
+            client_w.write(bytes(buf[:at]))
+            await client_w.drain()
+            del buf[:at]
+
+
+async def test_a_start_between_the_walks_reads_keeps_its_pointer_and_one_live_run(
+    store: RunStore, redis: Redis, redis_server, config
+):
+    first = await store.start_run("sync", {}, "k")
+    second = await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
+    started: list[str] = []
+
+    async def start_meanwhile() -> None:
+        # In the proxy's own loop, straight to Redis: the walk has read the key's run
+        # set ([first, second]) but not yet its pointer.
+        client = redis_client(redis_server.url, 5.0)
+        racing = RunStore(client, config, timeout=5.0)
+        result = await racing.start_run("sync", {}, "k", on_live_match="cancel_existing")
+        started.append(result.run_id)
+        await client.aclose()
+
+    proxy = StartBetween(redis_server.port)
+    proxy.after = [b"ZRANGE", KEYS.key_runs("k").encode(), b"0", b"-1"]
+    proxy.between = start_meanwhile
+    proxy.start()
+    client = redis_client(proxy.url, 5.0)
+    try:
+        report = await reconcile(RunStore(client, config, timeout=5.0), dry_run=False)
+    finally:
+        await client.aclose()
+        proxy.stop()
+    assert len(started) == 1, "the start did not run between the walk's reads"
+    third = started[0]
+    # The walk read the pointer after the start moved it, so it took the pointer for
+    # stale; the repair, deciding from the set as it is, leaves it at the newest run.
+    assert (report.stale, report.written, report.moved) == (1, 0, 1)
+    assert (await redis.hget(KEYS.pointer("k"), "run")).decode() == third
+    again = await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
+    assert again.rerun_of == third
+    runs, _ = await store.list_runs("sync", key="k")
+    assert [(r.id, r.phase) for r in runs] == [
+        (again.run_id, "running"),
+        (third, "cancelled"),
+        (second.run_id, "cancelled"),
+        (first.run_id, "cancelled"),
+    ]
