@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from redis import exceptions as redis_errors
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -23,9 +24,12 @@ from gateway.api import api_routes, json_response
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
 from gateway.deadlines import Deadlines
+from gateway.delivery import RETRY_AFTER_SECONDS
+from gateway.errors import StoreUnavailable
 from gateway.observe import DeliveryLog, setup_logging
 from gateway.openapi import openapi_document
 from gateway.store import RunStore
+from gateway.sweep import Sweeper
 from gateway.triggers import Trigger
 from gateway.webhooks import Webhooks
 
@@ -47,14 +51,23 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         try:
             await store.load_scripts()
         except Exception as exc:
-            log.warning("scripts not loaded at start-up (%s); will load on first use", exc)
+            # `realm listen` has said it loudly if the store is unreachable; this is
+            # the worker's own note. The type only: a reply may quote the server.
+            log.warning(
+                "scripts not loaded at start-up (%s); will load on first use", type(exc).__name__
+            )
         flusher = asyncio.create_task(delivery_log.flush_every())
         sweeper = asyncio.create_task(deadlines.sweep())
+        # Trims the run indexes and streams (DESIGN §7); every worker runs it, and
+        # the workers and replicas share one walk (gateway/sweep.py).
+        trimmer = asyncio.create_task(Sweeper(store).run())
         try:
             yield {"store": store}
         finally:
             flusher.cancel()
             sweeper.cancel()
+            trimmer.cancel()
+            await asyncio.gather(trimmer, return_exceptions=True)  # off Redis before close
             delivery_log.flush()
             store.close()
             await client.aclose()
@@ -66,13 +79,24 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     async def healthz(request: Request) -> Response:
         return json_response({"status": "ok"})
 
+    # Whether the last /readyz failed, so a probe every few seconds logs a failure
+    # once, when it starts, not at every probe.
+    not_ready = [False]
+
     async def readyz(request: Request) -> Response:
         store: RunStore = request.state.store
         try:
             await store.ping()
             await store.load_scripts()
         except Exception as exc:
-            return json_response({"status": "error", "message": str(exc)}, 503)
+            # /readyz needs no token: the reply says what, never the server's words.
+            if not not_ready[0]:
+                log.error("/readyz: the store is not ready: %s", _describe(exc))
+            not_ready[0] = True
+            return _unavailable("the store (Redis) is not ready; the gateway log says why")
+        if not_ready[0]:
+            log.warning("/readyz: the store is ready again")
+        not_ready[0] = False
         return json_response({"status": "ok"})
 
     document = openapi_document(list(by_path))
@@ -96,7 +120,13 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={
+            HTTPException: _http_error,
+            # Whatever route it comes from (/v1 answers its own coded errors first).
+            StoreUnavailable: _store_error,
+            redis_errors.ConnectionError: _store_error,
+            redis_errors.TimeoutError: _store_error,
+        },
     )
     return Webhooks(app, by_path, config.settings, delivery_log, deadlines)
 
@@ -114,6 +144,29 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         exc.status_code,
         dict(exc.headers or {}),
     )
+
+
+def _unavailable(message: str) -> Response:
+    return json_response(
+        {"status": "error", "code": "STORE_UNAVAILABLE", "message": message},
+        503,
+        {"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    """Redis refused for now, or did not answer: the caller retries, never a 500."""
+    if isinstance(exc, StoreUnavailable):
+        return _unavailable(exc.message)
+    log.error("%s %s: the store failed: %s", request.method, request.url.path, _describe(exc))
+    return _unavailable("Redis is unavailable; retry")
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception in one line for the log (the store's messages name no secret)."""
+    message = exc.message if isinstance(exc, StoreUnavailable) else str(exc)
+    text = " ".join(message.split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def app_from_env() -> Webhooks:

@@ -434,9 +434,15 @@ def listen(
 @server_options
 def mcp(config_path: str, redis_url: str | None, data_dir: str) -> None:
     """Serve the run tools to an MCP client over stdio."""
+    import signal
+
     from gateway.mcp_server import serve_stdio
 
     config = _load_config(config_path, with_triggers=False)
+    # A client may end the server with SIGTERM rather than by closing stdin: leave
+    # through the `with` below, so the embedded server is released in order (and
+    # stopped if this was its last user) instead of left for the next user to adopt.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         with redis_target(redis_url, data_dir) as target:
             click.echo(f"using {target.description}", err=True)  # stdout is the protocol

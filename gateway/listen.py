@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
 import click
+import redis
 import uvicorn
 
 from gateway.config import Config
-from gateway.connection import redis_target
+from gateway.connection import redact_url, redis_target
 from gateway.observe import setup_logging
 from gateway.triggers import describe_event_id
 from gateway.verify import describe
 
 # How long SIGTERM waits for in-flight deliveries before closing connections.
 GRACEFUL_SHUTDOWN_SECONDS = 30
+
+log = logging.getLogger("realm")
+
+
+class CannotBind(Exception):
+    """The address to listen on is taken or not allowed: not a config error."""
 
 
 def serve(
@@ -30,8 +39,11 @@ def serve(
     redis_url: str | None,
     data_dir: str,
 ) -> None:
-    """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards."""
+    """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards.
+
+    Raises ``CannotBind`` before anything starts when ``host``/``port`` cannot be bound."""
     setup_logging()
+    check_bindable(host, port)
     with (
         redis_target(redis_url, data_dir) as target,
         tempfile.TemporaryDirectory(prefix="realm-metrics-") as metrics_dir,
@@ -41,7 +53,7 @@ def serve(
         echo(f"store: {target.description}")
         for trigger in config.triggers.values():
             if trigger.verify.scheme == "none":
-                logging.getLogger("realm").warning(
+                log.warning(
                     "trigger '%s' has verify: none: its deliveries are not authenticated",
                     trigger.name,
                 )
@@ -52,6 +64,7 @@ def serve(
             )
         if not config.triggers:
             echo("  (no triggers in the config: only /healthz and /readyz are served)")
+        warn_if_unreachable(target.url, config.settings.redis_timeout)
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
         os.environ["REALM_REDIS_URL"] = target.url
@@ -72,6 +85,8 @@ def serve(
             port=port,
             workers=workers,
             log_config=None,
+            # httptools, with a cap on each request's head (431).
+            http="gateway.edge:BoundedHttpToolsProtocol",
             access_log=False,  # the app logs one JSON line per delivery instead
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             server_header=False,
@@ -79,3 +94,62 @@ def serve(
             # rewriting on every request.
             proxy_headers=False,
         )
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Bind ``host:port`` once, as uvicorn will, to report a port in use in words of
+    the command's own options (uvicorn would log an errno and exit 1). A race with
+    another process between this check and uvicorn's bind is left to uvicorn."""
+    if port == 0:
+        return  # any free port
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)  # fmt: skip
+    except socket.gaierror as exc:
+        raise CannotBind(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # As asyncio's create_server: a port in TIME_WAIT is free to use.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise CannotBind(
+                        f"--port {port} is already in use on {host}: another process "
+                        "listens there; stop it or choose another --port"
+                    ) from None
+                if exc.errno == errno.EACCES:
+                    raise CannotBind(
+                        f"--port {port} on {host}: permission denied (ports below 1024 "
+                        "need privileges); choose another --port"
+                    ) from None
+                if exc.errno == errno.EADDRNOTAVAIL and family == socket.AF_INET6:
+                    continue  # IPv6 off on this machine; asyncio skips it too
+                raise CannotBind(f"--host {host} --port {port}: {exc.strerror}") from None
+
+
+def warn_if_unreachable(url: str, timeout: float) -> None:
+    """One loud line when the store does not answer at start-up. The gateway starts
+    anyway (its Redis may come up later, as in a container start), answering 503
+    until it does: a listener that looks healthy while it refuses every delivery
+    would be worse."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        log.error(
+            "error: the store (Redis at %s) is unavailable: %s. Starting anyway: "
+            "webhooks and /v1 answer 503 STORE_UNAVAILABLE and /readyz 503 until it does",
+            redact_url(url), _reason(exc),
+        )  # fmt: skip
+    finally:
+        client.close()
+
+
+def _reason(exc: BaseException) -> str:
+    # One line, and never the URL (redis-py's messages name the host and port).
+    text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+    return text[:300]

@@ -75,7 +75,11 @@ _TCHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh
 
 
 class HeaderLookup(Protocol):
-    """What ``verify`` needs from request headers (``starlette.datastructures.Headers``)."""
+    """What ``verify`` needs from request headers (``starlette.datastructures.Headers``).
+
+    Values are decoded as latin-1 (one character per byte, as Starlette does), so
+    ``_raw`` turns them back into exactly the bytes the sender signed.
+    """
 
     def getlist(self, key: str) -> list[str]: ...
 
@@ -312,7 +316,9 @@ def _only(values: list[str], label: str) -> str:
         # Two signature headers mean a proxy or attacker added one; choosing
         # either would be a guess, so the delivery is refused.
         raise _Reject(f"header {label} repeated")
-    value = values[0]
+    # A field value's leading and trailing spaces and tabs are not part of it
+    # (RFC 9110 5.5): a sender or proxy that adds them signed the value without.
+    value = values[0].strip(" \t")
     if not value.strip():
         raise _Reject(f"empty header {label}")
     return value
@@ -327,10 +333,18 @@ def _raw(value: str) -> bytes:
         return value.encode("utf-8")
 
 
+# Digits a Unix timestamp in seconds may have: 13 reach past the year 300 000.
+# Anything longer is refused before int(), which raises ValueError past 4 300
+# digits (CPython's limit against quadratic conversions) and costs CPU before that.
+_MAX_TIMESTAMP_DIGITS = 13
+
+
 def _digits(value: str) -> int | None:
     # int() also accepts " 12", "+12", "1_2" and non-ASCII digits; a signed
     # timestamp is plain ASCII digits and nothing else.
-    return int(value) if value.isascii() and value.isdigit() else None
+    if len(value) > _MAX_TIMESTAMP_DIGITS or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)
 
 
 def _check_time(timestamp: int, now: float, tolerance: int) -> None:

@@ -16,11 +16,13 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequen
 from typing import Any
 
 import orjson
+from redis import exceptions as redis_errors
 from starlette.applications import Starlette
 
 from gateway import delivery
 from gateway.config import Settings
 from gateway.deadlines import Deadlines
+from gateway.errors import StoreUnavailable
 from gateway.observe import DeliveryLog
 from gateway.triggers import Trigger
 
@@ -43,6 +45,12 @@ class RequestHeaders:
     makes about eight. Here the raw list becomes one dict, built in C, and a value is
     decoded when it is looked up. A name sent twice (rare, and refused for signature
     headers) takes a slower path that keeps every value in order.
+
+    Values lose their leading and trailing spaces and tabs, which HTTP says are not
+    part of a field value (RFC 9110 5.5). ``get`` (keys, event ids, params, match
+    conditions) decodes UTF-8, what senders write, falling back to latin-1 for bytes
+    that are not UTF-8; ``getlist`` (verify) decodes latin-1 so that verify can
+    encode a value back to exactly the bytes the sender signed.
     """
 
     __slots__ = ("_first", "_repeated")
@@ -59,19 +67,59 @@ class RequestHeaders:
             self._first = {name: values[0] for name, values in repeated.items()}
 
     def get(self, key: str, default: None = None) -> str | None:
-        """The first value of header ``key`` (lower-case), or None."""
+        """The first value of header ``key`` (lower-case) as text, or None."""
         value = self._first.get(key.encode("latin-1"))
-        # latin-1, as Starlette decodes: it maps every byte, so verify can encode a
-        # value back to exactly the bytes the sender signed.
-        return None if value is None else value.decode("latin-1")
+        if value is None:
+            return None
+        value = value.strip(_OWS)
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value.decode("latin-1")
 
     def getlist(self, key: str) -> list[str]:
-        """Every value of header ``key`` (lower-case), in the order sent."""
+        """Every value of header ``key`` (lower-case), in the order sent, one
+        character per byte (latin-1)."""
         name = key.encode("latin-1")
         if self._repeated is not None:
-            return [v.decode("latin-1") for v in self._repeated.get(name, ())]
+            return [v.strip(_OWS).decode("latin-1") for v in self._repeated.get(name, ())]
         value = self._first.get(name)
-        return [] if value is None else [value.decode("latin-1")]
+        return [] if value is None else [value.strip(_OWS).decode("latin-1")]
+
+
+_OWS = b" \t"
+
+
+class BodyBudget:
+    """The bytes of request bodies one worker holds for deliveries it has not yet
+    answered (read, verified, claimed), against ``settings.max_buffered_body_bytes``.
+
+    Without it an unauthenticated sender could make a worker buffer a whole body per
+    connection before any signature is checked (40 bodies of 20 MiB made 1 GB of RSS). A
+    declared length is taken whole before the body is read; a chunked body is taken
+    chunk by chunk. What does not fit is refused at once (503 ``OVERLOADED``).
+    """
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+
+class _Taken:
+    """What one delivery took from the budget: given back when it is answered."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
 
 
 class Webhooks:
@@ -92,6 +140,7 @@ class Webhooks:
         # the limit a delivery gets 503 at once: a queue that grows without bound
         # would only turn a burst into timeouts for everyone.
         self.in_flight = 0
+        self.budget = BodyBudget(settings.max_buffered_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -110,30 +159,28 @@ class Webhooks:
         task = asyncio.current_task()
         assert task is not None
         claiming = False
+        taken = _Taken()
         # One deadline per delivery: first for the body, then for the claims.
         self.deadlines.set(task, settings.body_timeout)
         try:
-            body = await _read_body(headers, receive, settings.max_body_bytes)
-            if body is None:
-                reply = delivery.error_reply(
-                    413, "VALIDATION_BODY_TOO_LARGE",
-                    f"body is larger than {settings.max_body_bytes} bytes",
-                )  # fmt: skip
+            read = await self._read_body(headers, receive, taken)
+            if isinstance(read, delivery.Reply):
+                reply = read
             elif self.in_flight >= settings.max_in_flight:
-                reply = delivery.error_reply(
-                    503, "OVERLOADED",
-                    f"more than {settings.max_in_flight} deliveries in flight; retry",
-                    **{"Retry-After": "1"},
-                )  # fmt: skip
+                reply = _overloaded(
+                    f"more than {settings.max_in_flight} deliveries in flight; retry"
+                )
             else:
                 claiming = True
                 self.deadlines.set(task, settings.redis_timeout)
-                reply = await self._handle(scope, headers, body, triggers)
+                reply = await self._handle(scope, headers, read, triggers)
         except ClientGone:
             self.deadlines.clear(task)
+            self.budget.held -= taken.n
             return
         except asyncio.CancelledError:
             if not self.deadlines.clear(task):
+                self.budget.held -= taken.n
                 raise  # not our deadline: a shutdown, say
             task.uncancel()
             if claiming:
@@ -151,6 +198,8 @@ class Webhooks:
             # a cancel: the reply's write is then cut, and the sender's retry finds
             # the stored decision. Rare (the sweep is every 50 ms) and never a lost run.
             self.deadlines.clear(task)
+        # Answered: the body is no longer this worker's to hold (the reply holds none).
+        self.budget.held -= taken.n
         self.delivery_log.observe(scope["path"], reply, started)
         payload = orjson.dumps(reply.body)
         raw_headers = [
@@ -160,6 +209,40 @@ class Webhooks:
         ]
         await send({"type": "http.response.start", "status": reply.status, "headers": raw_headers})
         await send({"type": "http.response.body", "body": payload})
+
+    async def _read_body(
+        self, headers: RequestHeaders, receive: Receive, taken: _Taken
+    ) -> bytes | delivery.Reply:
+        """The whole body, or the refusal as soon as one is known: a declared length
+        over the limit or past the budget before any byte is read, a streamed one
+        mid-way. A refusal leaves the rest unread: the server discards it."""
+        limit = self.settings.max_body_bytes
+        budget = self.budget
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit():
+            # Compared as text first: a 5 000-digit length must not reach int().
+            if len(declared) > 18 or int(declared) > limit:
+                return _too_large(limit)
+            if not budget.take(int(declared)):
+                return _over_budget(budget)
+            taken.n = int(declared)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return _too_large(limit)
+            if size > taken.n:  # chunked (the parser holds a declared length to it)
+                if not budget.take(size - taken.n):
+                    return _over_budget(budget)
+                taken.n = size
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _handle(
         self, scope: Scope, headers: RequestHeaders, body: bytes, triggers: Sequence[Trigger]
@@ -171,6 +254,12 @@ class Webhooks:
                 scope["state"]["store"], triggers, headers, headers.get("content-type"), body,
                 bounded=False,
             )  # fmt: skip
+        except StoreUnavailable as exc:
+            # Redis said "not now" (or did not answer) on a path other than a claim's.
+            return delivery.unavailable_reply(exc.message)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
+            # Should the store ever let one through: still "not now", never a 500.
+            return delivery.unavailable_reply(f"Redis is unavailable ({type(exc).__name__}); retry")
         except Exception as exc:
             # The type only: an exception's text may quote the delivery.
             log.error('{"event":"error","path":"%s","error":"%s"}', scope["path"],
@@ -182,22 +271,18 @@ class Webhooks:
             self.in_flight -= 1
 
 
-async def _read_body(headers: RequestHeaders, receive: Receive, limit: int) -> bytes | None:
-    """The whole body, or None as soon as it is known to be over ``limit``: a
-    declared length is refused before reading, a streamed one mid-way."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _too_large(limit: int) -> delivery.Reply:
+    return delivery.error_reply(
+        413, "VALIDATION_BODY_TOO_LARGE", f"body is larger than {limit} bytes"
+    )
+
+
+def _overloaded(message: str) -> delivery.Reply:
+    return delivery.error_reply(503, "OVERLOADED", message, **{"Retry-After": "1"})
+
+
+def _over_budget(budget: BodyBudget) -> delivery.Reply:
+    return _overloaded(
+        f"this worker already holds {budget.limit} bytes of request bodies "
+        "(settings.max_buffered_body_bytes); retry"
+    )

@@ -23,6 +23,8 @@ def test_a_repeated_name_keeps_every_value_in_order() -> None:
 
 
 def test_values_round_trip_to_the_bytes_sent() -> None:
-    sent = bytes(range(0x20, 0x7F)) + bytes(range(0xA0, 0x100))
-    value = RequestHeaders([(b"x-token", sent)]).get("x-token")
-    assert value is not None and value.encode("latin-1") == sent
+    # getlist is what verify reads: one character per byte. (Spaces and tabs at the
+    # ends are not part of a value: they are trimmed.)
+    sent = bytes(range(0x21, 0x7F)) + bytes(range(0xA0, 0x100))
+    (value,) = RequestHeaders([(b"x-token", sent)]).getlist("x-token")
+    assert value.encode("latin-1") == sent
