@@ -1,6 +1,7 @@
 """Load-test `realm listen` with wrk on loopback, next to two reference apps.
 
     python bench/listen_bench.py [--duration 10] [--connections 64] [--workers 1,2] [--quick]
+                                 [--repeat R] [--baseline REV]
 
 Everything runs on 127.0.0.1 and stops by itself: a private redis-server on a
 free port (no persistence), `realm listen` with a bench triggers.yaml, and the
@@ -216,13 +217,14 @@ class App:
     env: dict[str, str]
     port: int
     log: Path
+    cwd: Path = ROOT
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self, timeout: float = 30.0) -> App:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd,
-                cwd=ROOT,
+                cwd=self.cwd,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -276,6 +278,29 @@ def gateway_app(config: Path, redis_url: str, workers: int, env: dict[str, str],
     cmd = [PYTHON, "-m", "gateway", "listen", "--config", str(config), "--host", "127.0.0.1",
            "--port", str(port), "--redis-url", redis_url, "--workers", str(workers)]  # fmt: skip
     return App("gateway", cmd, env, port, logs / f"gateway-w{workers}.log")
+
+
+def baseline_app(
+    tree: Path, config: Path, redis_url: str, workers: int, env: dict[str, str], logs: Path
+) -> App:
+    """The gateway at another commit (a git worktree): measured in the same run, in
+    the same interleaved rounds, against the same Redis, so the two compare."""
+    app = gateway_app(config, redis_url, workers, {**env, "PYTHONPATH": str(tree)}, logs)
+    app.name, app.cwd, app.log = "baseline", tree, logs / f"baseline-w{workers}.log"
+    return app
+
+
+@contextlib.contextmanager
+def worktree(rev: str, where: Path):
+    """A detached git worktree of ``rev``, removed afterwards."""
+    tree = where / "baseline-tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), rev], cwd=ROOT,
+                   check=True, timeout=60)  # fmt: skip
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                       check=False, timeout=60)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- wrk
@@ -362,7 +387,7 @@ def smoke_test(apps: list[App], secret: bytes) -> None:
 
 
 def runs_created(r: redis.Redis, app: str) -> int | None:
-    if app == "gateway":
+    if app in ("gateway", "baseline"):
         return int(r.zcard(GATEWAY_RUNS))
     if app == "obvious":
         return int(r.xlen(OBVIOUS_STREAM))
@@ -547,6 +572,12 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         ]
         verdict = "  ".join(f"{name} {'ok' if ok else 'MISSED'}" for name, ok in checks)
         print(f"  {r.scenario:<12} workers={r.workers}: {verdict}")
+    for r in rows:
+        base = index.get(("baseline", r.scenario, r.workers))
+        if r.app == "gateway" and base:
+            print(f"  {r.scenario:<12} workers={r.workers}: gateway ÷ baseline "
+                  f"{r.result.rps / base.result.rps:.2f}x req/s, p99 {r.result.p99_ms:.2f} "
+                  f"vs {base.result.p99_ms:.2f} ms")  # fmt: skip
 
 
 def main() -> int:
@@ -561,6 +592,11 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds per app, interleaved; rows are medians"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the gateway at git revision REV, interleaved with the others",
+    )
     parser.add_argument("--quick", action="store_true", help="3 s runs, 1 worker only")
     parser.add_argument("--no-redis-benchmark", action="store_true")
     parser.add_argument(
@@ -571,6 +607,8 @@ def main() -> int:
         args.duration, args.warmup, args.workers = 3.0, 1.0, "1"
     workers_list = [int(w) for w in args.workers.split(",")]
     apps = args.apps.split(",")
+    if args.baseline:
+        apps.append("baseline")
 
     if not shutil.which("wrk"):
         print("error: wrk not found on PATH; install it with: apt-get install -y wrk",
@@ -587,8 +625,9 @@ def main() -> int:
     load_before = os.getloadavg()
     started: list[App] = []
     redis_server: RedisServer | None = None
-    with tempfile.TemporaryDirectory(prefix="realm-bench-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="realm-bench-")))
+        tree = stack.enter_context(worktree(args.baseline, work)) if args.baseline else None
         try:
             t0 = time.monotonic()
             files = {
@@ -617,6 +656,11 @@ def main() -> int:
                 for name in apps:
                     if name == "gateway":
                         batch.append(gateway_app(config, redis_server.url, workers, env, work))
+                    elif name == "baseline":
+                        assert tree is not None
+                        batch.append(
+                            baseline_app(tree, config, redis_server.url, workers, env, work)
+                        )
                     else:
                         batch.append(reference_app(name, workers, env, work))
                 for app in batch:
@@ -669,6 +713,8 @@ def main() -> int:
     print()
     load_after = os.getloadavg()
     print(f"gateway code: {gateway_revision()}")
+    if args.baseline:
+        print(f"baseline code: {args.baseline} (a worktree of it, same settings)")
     print(f"machine: {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, "
           f"after {load_after[0]:.2f} (1 min); wrk runs on the same CPUs as the apps")  # fmt: skip
     if args.repeat > 1:
