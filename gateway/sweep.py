@@ -22,8 +22,6 @@ import logging
 import random
 from dataclasses import dataclass
 
-from redis import exceptions as redis_errors
-
 from gateway.errors import StoreUnavailable
 from gateway.runs import text_of
 from gateway.store import RunStore
@@ -40,16 +38,6 @@ MAX_CALLS = 25
 # Seconds between a worker's sweeps (each waits 0.5-1.5 times this: replicas
 # started together drift apart).
 INTERVAL = 1.0
-
-# Errors that mean "not now": the next tick tries again. (BusyLoadingError is a
-# ConnectionError to redis-py, so it is caught first.)
-_NOT_READY = (
-    redis_errors.BusyLoadingError,
-    redis_errors.ReadOnlyError,
-    redis_errors.MasterDownError,
-)
-_NOT_READY_REPLIES = ("BUSY", "LOADING", "MISCONF", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
-_UNREACHABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 
 
 @dataclass
@@ -73,17 +61,12 @@ async def sweep(store: RunStore, workflow: str, *, max_calls: int = MAX_CALLS) -
     stream_retention_ms = wf.stream_retention_ms or wf.retention_ms
     report = SweepReport(workflow)
     for _ in range(max_calls):
-        try:
-            async with store.deadline():
-                more = await _step(store, workflow, wf.retention_ms, stream_retention_ms, report)
-        except _NOT_READY as exc:
-            raise StoreUnavailable(f"Redis is not ready: {_describe(exc)}") from None
-        except _UNREACHABLE as exc:
-            raise StoreUnavailable(f"Redis is unreachable: {_describe(exc)}") from None
-        except redis_errors.ResponseError as exc:
-            if str(exc).startswith(_NOT_READY_REPLIES):
-                raise StoreUnavailable(f"Redis is not ready: {_describe(exc)}") from None
-            raise
+        # The store's own retry maps "not now" and a dropped connection to
+        # StoreUnavailable; a step is safe to repeat (the position is compared).
+        async with store.deadline():
+            more = await store._retrying(
+                lambda: _step(store, workflow, wf.retention_ms, stream_retention_ms, report)
+            )
         if not more:
             break
     return report
@@ -140,10 +123,6 @@ async def _step(
 def _score_text(score: float) -> str:
     # Scores are whole microseconds: below 2^53, so exact as floats.
     return str(int(score)) if score.is_integer() else repr(score)
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 class Sweeper:

@@ -219,7 +219,7 @@ class Webhooks:
         limit = self.settings.max_body_bytes
         budget = self.budget
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit():
+        if declared is not None and declared.isascii() and declared.isdigit():
             # Compared as text first: a 5 000-digit length must not reach int().
             if len(declared) > 18 or int(declared) > limit:
                 return _too_large(limit)

@@ -262,7 +262,7 @@ async def test_a_busy_server_is_unavailable_not_an_error(start_redis, sweep_conf
             try:
                 await sweep(store, "w")
             except StoreUnavailable as exc:
-                assert exc.message.startswith("Redis is not ready: BUSY"), exc.message
+                assert "BUSY" in exc.message, exc.message
                 return True
             return False
 
