@@ -63,7 +63,8 @@ def _checked_redis_url(ctx: click.Context, param: click.Parameter, value: str | 
 
 redis_url_option = click.option(
     "--redis-url", envvar="REALM_REDIS_URL", default=None, callback=_checked_redis_url,
-    help="redis:// or unix:// URL; without it, the embedded server. [env: REALM_REDIS_URL]",
+    help="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL; without "
+    "it, the embedded server. [env: REALM_REDIS_URL]",
 )  # fmt: skip
 data_dir_option = click.option(
     "--data-dir", envvar="REALM_DATA_DIR", default=DEFAULT_DATA_DIR, show_default=True,
@@ -105,11 +106,16 @@ def with_store(
             async def run() -> T:
                 client = redis_client(target.url, config.settings.redis_timeout)
                 try:
-                    return await work(RunStore(client, config))
+                    store = RunStore(client, config)
+                    await store.check_layout()
+                    return await work(store)
                 finally:
                     await client.aclose()
 
             return asyncio.run(run())
+    except ConfigError as exc:  # a layout the store's data does not match
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
     except (ServerNotFound, RuntimeError) as exc:
         if isinstance(exc, RealmError):
             raise
@@ -425,6 +431,9 @@ def listen(
     except CannotBind as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_ADDRESS)
+    except ConfigError as exc:  # a layout the store's data does not match
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
     except (ServerNotFound, RuntimeError) as exc:
         click.echo(f"error: cannot start the embedded server: {exc}", err=True)
         sys.exit(EXIT_UNAVAILABLE)

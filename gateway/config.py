@@ -35,7 +35,10 @@ WORKFLOW_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 RETENTION = re.compile(r"^([1-9][0-9]*)([dhms])$")
 RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 DEFAULT_RETENTION = "7d"
-WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "description"}
+WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "partitions",
+                   "description"}  # fmt: skip
+# A busy workflow's keys may be spread over this many hash tags ({wf#0} … {wf#N-1}).
+MAX_PARTITIONS = 1024
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
 SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight",
                    "max_buffered_body_bytes", "max_header_bytes"}  # fmt: skip
@@ -59,6 +62,9 @@ class Workflow:
     # How long a ready step's stream entry is kept (gateway/sweep.py trims older
     # ones); 0 means the same as retention_ms.
     stream_retention_ms: int = 0
+    # Hash tags the workflow's keys are spread over (1: the one tag {wf}); an
+    # idempotency key always lives in the same partition (gateway/keys.py).
+    partitions: int = 1
     _validator: Any = field(default=None, repr=False, compare=False)
     # A compiled yes/no check for schemas where it agrees with jsonschema (see
     # _fast_check_for); jsonschema stays the authority and writes the messages.
@@ -178,6 +184,19 @@ def parse_config(
             env=os.environ if env is None else env,
         )
         for trigger in triggers.values():
+            if trigger.replay_guard and workflows[trigger.workflow].partitions > 1:
+                # The guard's record of a body must sit in the slot of the claim that
+                # checks it; a replay under another event id has another key, so on a
+                # partitioned workflow it would be claimed in another partition.
+                raise ConfigError(
+                    file,
+                    f"replay_guard (on by default for github) needs workflow "
+                    f"'{trigger.workflow}' in one partition; set replay_guard: false or "
+                    "remove the workflow's partitions",
+                    section="trigger",
+                    name=trigger.name,
+                    field="replay_guard",
+                )
             if trigger.path in RESERVED_PATHS or trigger.path.startswith("/v1/"):
                 raise ConfigError(
                     file,
@@ -242,6 +261,17 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         except ValueError as exc:
             raise error("stream_retention", str(exc)) from None
 
+    partitions = raw.get("partitions", 1)
+    if (
+        not isinstance(partitions, int)
+        or isinstance(partitions, bool)
+        or not 1 <= partitions <= MAX_PARTITIONS
+    ):
+        raise error(
+            "partitions",
+            f"must be a whole number from 1 to {MAX_PARTITIONS} (got {_clip(repr(partitions))})",
+        )
+
     schema = raw.get("params_schema")
     validator = None
     if schema is not None:
@@ -269,6 +299,7 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         steps=tuple(steps),
         retention_ms=retention_ms,
         stream_retention_ms=stream_retention_ms,
+        partitions=partitions,
         params_schema=schema,
         _validator=validator,
         _fast_check=_fast_check_for(schema) if schema is not None else None,

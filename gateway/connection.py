@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,20 +10,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote_plus, urlsplit
 
+from redis import exceptions as redis_errors
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
+from gateway.cluster_client import cluster_client, is_cluster_url, ping_every_primary
 from gateway.embedded import EmbeddedServer
+from gateway.sentinel import (
+    SENTINEL_SCHEME,
+    is_sentinel_url,
+    parse_sentinel_url,
+    sentinel_client,
+)
 
 DEFAULT_DATA_DIR = ".realm"
 # Connections per client (per worker process): what redis-py's own pool allows.
 MAX_CONNECTIONS = 100
 
 
-def redis_client(url: str, timeout: float, *, max_connections: int | None = None) -> Redis:
-    """An asyncio client with no hidden retries: the store decides what to retry
+def redis_client(
+    url: str, timeout: float, *, max_connections: int | None = None
+) -> Redis | RedisCluster:
+    """An asyncio client: of one server, of a cluster (``redis+cluster://``, see
+    gateway/cluster_client.py) or of a primary under Sentinel (gateway/sentinel.py).
+    No hidden retries: the store decides what to retry
     (``RunStore._retrying``) within one deadline per operation.
 
     No ``socket_timeout``: redis-py would wrap every single reply it reads in a
@@ -36,6 +50,10 @@ def redis_client(url: str, timeout: float, *, max_connections: int | None = None
     (at most ``timeout``, the same bound as the operation's deadline) instead of
     failing at once. redis-py's default pool refuses the 101st concurrent call,
     which made a burst of 250 admin reads answer 149 times 503 on a healthy Redis."""
+    if is_cluster_url(url):
+        return cluster_client(url, timeout, max_connections=max_connections)
+    if is_sentinel_url(url):
+        return sentinel_client(url, timeout, max_connections=max_connections or MAX_CONNECTIONS)
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections or MAX_CONNECTIONS,
@@ -45,6 +63,19 @@ def redis_client(url: str, timeout: float, *, max_connections: int | None = None
         retry=Retry(NoBackoff(), 0),
     )
     return Redis.from_pool(pool)
+
+
+async def ping_url(url: str, timeout: float) -> None:
+    """``ping_every_primary`` on a client of its own, within ``timeout``: raises a
+    ``redis.RedisError`` saying why not."""
+    client = redis_client(url, timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            await ping_every_primary(client)
+    except TimeoutError:
+        raise redis_errors.TimeoutError(f"no answer within {timeout:g} s") from None
+    finally:
+        await client.aclose()
 
 
 def redact_url(url: str) -> str:
@@ -61,6 +92,8 @@ def redact_url(url: str) -> str:
         userinfo, after = rest.rsplit("@", 1)
         if ":" in userinfo:
             base = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{after}"
+        elif scheme.lower() == SENTINEL_SCHEME:  # `password@`: that scheme has no bare user
+            base = f"{scheme}://***@{after}"
     return base + sep + query
 
 
@@ -70,7 +103,8 @@ def _redact_query(query: str) -> str:
     out = []
     for item in query.split("&"):
         name, sep, _ = item.partition("=")
-        if sep and unquote_plus(name).strip().lower() == "password":
+        # `password`, and `sentinel_password` of a redis+sentinel:// URL.
+        if sep and unquote_plus(name).strip().lower().endswith("password"):
             item = f"{name}=***"
         out.append(item)
     return "&".join(out)
@@ -84,9 +118,23 @@ def check_redis_url(url: str) -> str:
     """``url`` when redis-py can use it, else ``BadRedisUrl`` naming what is wrong."""
     shown = redact_url(url)
     scheme = urlsplit(url).scheme.lower()
+    if is_cluster_url(url):
+        try:
+            cluster_client(url, 1.0)  # checks every option; connects on first use only
+        except ValueError as exc:
+            raise BadRedisUrl(f"{shown!r} is not a usable cluster URL: {exc}") from None
+        return url
+    if scheme == SENTINEL_SCHEME:
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            raise BadRedisUrl(f"{shown!r} is not a usable Sentinel URL: {exc}") from None
+        return url
     if scheme not in ("redis", "rediss", "unix"):
         raise BadRedisUrl(
-            f"{shown!r} is not a Redis URL: it must start with redis://, rediss:// or unix://"
+            f"{shown!r} is not a Redis URL: it must start with redis://, rediss:// or unix:// "
+            "(one server), redis+cluster:// or rediss+cluster:// (a cluster) or "
+            "redis+sentinel:// (a primary under Sentinel)"
         )
     try:
         parse_url(url)

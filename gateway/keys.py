@@ -2,11 +2,19 @@
 
 All keys of one workflow share the hash tag ``{<workflow>}``, so every script
 runs in one cluster slot. Workflow names are restricted at config load to
-characters that cannot open or close a tag.
+characters that cannot open or close a tag (nor ``#``).
+
+A busy workflow may be spread over N partitions (``partitions: N``): partition i
+has the tag ``{<workflow>#i}``, so the partitions can live on different cluster
+primaries. An idempotency key always lives in the partition its stable hash
+names, so every decision about one key is still one script in one slot; a run's
+id carries its partition in its last four hex digits, so a run is found from its
+id alone.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 DEFAULT_PREFIX = "realm"
@@ -18,11 +26,19 @@ class Keys:
 
     prefix: str
     workflow: str
-    # Built once: every run start names five keys.
+    # None: the workflow is not partitioned (tag {wf}); else its partition (tag {wf#i}).
+    partition: int | None = None
+    # Built once: every run start names several keys.
     _base: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_base", f"{self.prefix}:{{{self.workflow}}}")
+        tag = self.workflow if self.partition is None else f"{self.workflow}#{self.partition}"
+        object.__setattr__(self, "_base", f"{self.prefix}:{{{tag}}}")
+
+    def meta(self) -> str:
+        """Hash: the workflow's layout (``partitions``), written once; always under the
+        unpartitioned tag, so every process finds it whatever it believes N is."""
+        return f"{self.prefix}:{{{self.workflow}}}:meta"
 
     def run(self, run_id: str) -> str:
         """Hash: one run's record."""
@@ -69,3 +85,31 @@ class Keys:
 
 def keys_for(workflow: str, prefix: str = DEFAULT_PREFIX) -> Keys:
     return Keys(prefix, workflow)
+
+
+def partition_keys(prefix: str, workflow: str, partitions: int) -> list[Keys]:
+    """The Keys of each partition: one unpartitioned Keys when ``partitions`` is 1."""
+    if partitions == 1:
+        return [Keys(prefix, workflow)]
+    return [Keys(prefix, workflow, i) for i in range(partitions)]
+
+
+def partition_of(text: str, partitions: int) -> int:
+    """The partition an idempotency key (or a request or batch id) lives in: CRC-32,
+    the same in every process and every version (Python's hash() is salted)."""
+    return zlib.crc32(text.encode()) % partitions if partitions > 1 else 0
+
+
+def run_id_in(run_id: str, partition: int) -> str:
+    """``run_id`` with its last four hex digits naming ``partition`` (a UUID still)."""
+    return f"{run_id[:-4]}{partition:04x}"
+
+
+def partition_of_run(run_id: str, partitions: int) -> int:
+    """The partition a run of a partitioned workflow lives in, from its id."""
+    if partitions == 1:
+        return 0
+    try:
+        return int(run_id[-4:], 16) % partitions
+    except ValueError:
+        return 0

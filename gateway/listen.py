@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -15,8 +16,10 @@ import redis
 import uvicorn
 
 from gateway.config import Config
-from gateway.connection import redact_url, redis_target
+from gateway.connection import ping_url, redact_url, redis_client, redis_target
+from gateway.errors import StoreUnavailable
 from gateway.observe import setup_logging
+from gateway.store import RunStore
 from gateway.triggers import describe_event_id
 from gateway.verify import describe
 
@@ -64,7 +67,9 @@ def serve(
             )
         if not config.triggers:
             echo("  (no triggers in the config: only /healthz and /readyz are served)")
-        warn_if_unreachable(target.url, config.settings.redis_timeout)
+        if reachable(target.url, config.settings.redis_timeout):
+            # A changed `partitions` would move a workflow's keys: refused before serving.
+            asyncio.run(check_layout(config, target.url))
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
         os.environ["REALM_REDIS_URL"] = target.url
@@ -131,22 +136,33 @@ def check_bindable(host: str, port: int) -> None:
                 raise CannotBind(f"--host {host} --port {port}: {exc.strerror}") from None
 
 
-def warn_if_unreachable(url: str, timeout: float) -> None:
-    """One loud line when the store does not answer at start-up. The gateway starts
+def reachable(url: str, timeout: float) -> bool:
+    """Whether the store answers at start-up; if not, one loud line. The gateway starts
     anyway (its Redis may come up later, as in a container start), answering 503
     until it does: a listener that looks healthy while it refuses every delivery
     would be worse."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
-        client.ping()
+        # Every primary of a cluster; the client redis_client makes for any scheme.
+        asyncio.run(ping_url(url, timeout))
+        return True
     except redis.RedisError as exc:
         log.error(
             "error: the store (Redis at %s) is unavailable: %s. Starting anyway: "
             "webhooks and /v1 answer 503 STORE_UNAVAILABLE and /readyz 503 until it does",
             redact_url(url), _reason(exc),
         )  # fmt: skip
+        return False
+
+
+async def check_layout(config: Config, url: str) -> None:
+    """RunStore.check_layout on a client of its own (raises ConfigError)."""
+    client = redis_client(url, config.settings.redis_timeout)
+    try:
+        await RunStore(client, config).check_layout()
+    except StoreUnavailable as exc:
+        log.error("error: could not check the workflows' partitions: %s", exc.message)
     finally:
-        client.close()
+        await client.aclose()
 
 
 def _reason(exc: BaseException) -> str:

@@ -40,8 +40,12 @@ def parse_limit(text: str) -> int:
 
 
 def check_cursor(text: str | None) -> str | None:
-    """A cursor as a previous page returned it (a decimal offset), or None for the first page."""
-    if text is not None and not _is_ascii_number(text, MAX_CURSOR_DIGITS):
+    """A cursor as a previous page returned it (a decimal offset; for a partitioned
+    workflow one per partition, '.'-separated, '-' for a finished one), or None for
+    the first page."""
+    if text is not None and not all(
+        part == "-" or _is_ascii_number(part, MAX_CURSOR_DIGITS) for part in text.split(".")
+    ):
         raise RealmError(
             "VALIDATION_PARAMS",
             f"cursor must be the value a previous page returned (got {_shown(text)})",

@@ -9,15 +9,20 @@ so a start racing a repair keeps its pointer, and a pointer naming a run that no
 longer exists (``dangling``) is moved to the newest one left, or removed with its
 set when none is. Every call goes through the store's retry; a resent repair
 reports what its first attempt did (its operation record).
+
+On a Redis Cluster the walk SCANs every primary in turn (a SCAN cursor belongs to
+one node), and each partition of a partitioned workflow has key groups of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from gateway.keys import Keys
 from gateway.runs import new_run_id, text_of
@@ -32,6 +37,8 @@ MAX_LISTED = 20
 FIRST_CANDIDATES = 8
 MAX_CANDIDATES = 64
 MAX_ROUNDS = 8
+# Repairs in flight at once on a cluster, where redis-py cannot pipeline scripts.
+CLUSTER_REPAIRS_AT_ONCE = 32
 
 
 @dataclass(frozen=True)
@@ -130,26 +137,50 @@ async def reconcile(
     if workflow:
         store.config.workflow(workflow)
     report = ReconcileReport(dry_run=dry_run)
+    nodes = await _nodes(store)
     for name in names:
-        keys = store.keys(name)
-        prefix = keys.key_runs("")
-        cursor = 0
-        while True:
-            # One deadline per batch: the walk may take minutes, a batch never should.
-            async with store.deadline():
-                cursor, found = await store._retrying(
-                    lambda cursor=cursor, match=f"{prefix}*": store.redis.scan(
-                        cursor, match=match, count=SCAN_COUNT
-                    )
-                )
-                if found:
-                    groups = [g.decode() for g in found]
-                    await _check_groups(store, name, groups, prefix, report)
-                if progress:
-                    progress(report.groups, report.runs)
-            if cursor == 0:
-                break
+        for keys in store.partitions(name):
+            prefix = keys.key_runs("")
+            for node in nodes:
+                cursor = 0
+                while True:
+                    # One deadline per batch: the walk may take minutes, a batch never should.
+                    async with store.deadline():
+                        cursor, found = await store._retrying(
+                            lambda cursor=cursor, node=node, match=f"{prefix}*": _scan(
+                                store, node, cursor, match
+                            )
+                        )
+                        if found:
+                            groups = [g.decode() for g in found]
+                            await _check_groups(store, keys, name, groups, prefix, report)
+                        if progress:
+                            progress(report.groups, report.runs)
+                    if cursor == 0:
+                        break
     return report
+
+
+async def _nodes(store: RunStore) -> list[ClusterNode | None]:
+    """What one walk SCANs: the server (None), or every primary of a cluster."""
+    redis = store.redis
+    if not isinstance(redis, RedisCluster):
+        return [None]
+    async with store.deadline():
+        await store._retrying(redis.initialize)
+    return list(redis.get_primaries())
+
+
+async def _scan(
+    store: RunStore, node: ClusterNode | None, cursor: int, match: str
+) -> tuple[int, list[bytes]]:
+    if node is None:
+        return await store.redis.scan(cursor, match=match, count=SCAN_COUNT)
+    # A cluster answers {node name: cursor} and the keys.
+    cursors, found = await store.redis.scan(
+        cursor, match=match, count=SCAN_COUNT, target_nodes=node
+    )
+    return int(cursors[node.name]), found
 
 
 async def count_runs(store: RunStore, workflow: str | None = None) -> int:
@@ -157,7 +188,8 @@ async def count_runs(store: RunStore, workflow: str | None = None) -> int:
     names = [workflow] if workflow else sorted(store.config.workflows)
     async with store.deadline(), store.redis.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.zcard(store.keys(name).runs())
+            for keys in store.partitions(name):
+                pipe.zcard(keys.runs())
         return sum(await pipe.execute())
 
 
@@ -169,9 +201,13 @@ class _Repair:
 
 
 async def _check_groups(
-    store: RunStore, workflow: str, groups: list[str], prefix: str, report: ReconcileReport
+    store: RunStore,
+    keys: Keys,
+    workflow: str,
+    groups: list[str],
+    prefix: str,
+    report: ReconcileReport,
 ) -> None:
-    keys = store.keys(workflow)
     idem_keys = [g[len(prefix) :] for g in groups]
 
     async def read(pipe: Pipeline) -> None:
@@ -255,16 +291,22 @@ async def _repair(
         if not pending:
             return
 
+        def script_keys(r: _Repair) -> list[str]:
+            return [keys.pointer(r.key), keys.key_runs(r.key), r.op,
+                    *(keys.run(c) for c in r.candidates)]  # fmt: skip
+
         async def send(pipe: Pipeline, batch: list[_Repair] = pending) -> None:
             for r in batch:
-                await store.scripts.repoint(
-                    [keys.pointer(r.key), keys.key_runs(r.key), r.op,
-                     *(keys.run(c) for c in r.candidates)],
-                    r.candidates,
-                    client=pipe,
-                )  # fmt: skip
+                await store.scripts.repoint(script_keys(r), r.candidates, client=pipe)
 
-        replies = await _pipelined(store, send)
+        if isinstance(store.redis, RedisCluster):
+            # redis-py refuses scripts in a cluster pipeline: each its own call.
+            calls = [
+                lambda r=r: store.scripts.repoint(script_keys(r), r.candidates) for r in pending
+            ]
+            replies = await store._retrying(lambda calls=calls: _each(calls))
+        else:
+            replies = await _pipelined(store, send)
         again: list[_Repair] = []
         for r, reply in zip(pending, replies, strict=True):
             outcome = text_of(reply[0])
@@ -283,6 +325,21 @@ async def _repair(
                 again.append(r)
         pending = again
     report.moved += len(pending)  # starts kept moving these keys: left for the next walk
+
+
+async def _each(calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
+    """Run the calls, at most CLUSTER_REPAIRS_AT_ONCE at a time; their replies in
+    order. The first failure cancels the rest (the caller's retry resends them all:
+    each is safe to resend)."""
+    gate = asyncio.Semaphore(CLUSTER_REPAIRS_AT_ONCE)
+
+    async def one(call: Callable[[], Awaitable[Any]]) -> Any:
+        async with gate:
+            return await call()
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(one(call)) for call in calls]
+    return [task.result() for task in tasks]
 
 
 async def _pipelined(store: RunStore, fill: Callable[[Pipeline], Awaitable[None]]) -> list[Any]:

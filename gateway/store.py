@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
+import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -18,9 +21,10 @@ from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from gateway.cluster_client import ping_every_primary
 from gateway.config import Config
-from gateway.errors import RealmError, StoreUnavailable
-from gateway.keys import Keys
+from gateway.errors import ConfigError, RealmError, StoreUnavailable
+from gateway.keys import Keys, partition_keys, partition_of, partition_of_run, run_id_in
 from gateway.pipeline import Pipeline
 from gateway.policy import Decision, KeyState, decide
 from gateway.runs import (
@@ -62,7 +66,7 @@ class Marker:
     is ``same`` (a request id), ``dedupe`` (an event id) or ``replay`` (a body digest,
     tagged with the event id it came with)."""
 
-    key: str
+    name: Callable[[Keys], str]  # the marker's key, in the claim's partition
     mode: str
     tag: str = ""
 
@@ -87,10 +91,28 @@ class RunStore:
         self.timeout = config.settings.redis_timeout if timeout is None else timeout
         self.scripts = Scripts(redis)
         self._pipeline = Pipeline.for_client(redis, self.timeout) if pipelined else None
-        self._keys = {name: Keys(self.prefix, name) for name in config.workflows}
+        self._keys = {
+            name: partition_keys(self.prefix, name, wf.partitions)
+            for name, wf in config.workflows.items()
+        }
 
     def keys(self, workflow: str) -> Keys:
-        return self._keys.get(workflow) or Keys(self.prefix, workflow)
+        """The Keys of an unpartitioned workflow (of partition 0 of a partitioned one)."""
+        return self.partitions(workflow)[0]
+
+    def partitions(self, workflow: str) -> list[Keys]:
+        """The Keys of each of the workflow's partitions (one unless ``partitions: N``)."""
+        return self._keys.get(workflow) or [Keys(self.prefix, workflow)]
+
+    def keys_for_key(self, workflow: str, key: str) -> Keys:
+        """The partition an idempotency key lives in: always the same one."""
+        parts = self.partitions(workflow)
+        return parts[partition_of(key, len(parts))]
+
+    def keys_for_run(self, workflow: str, run_id: str) -> Keys:
+        """The partition a run lives in, named by its id."""
+        parts = self.partitions(workflow)
+        return parts[partition_of_run(run_id, len(parts))]
 
     # -- starting runs -----------------------------------------------------------------
 
@@ -129,18 +151,39 @@ class RunStore:
         params_json = encode_params(params)
         if idempotency_key is not None:
             check_key(idempotency_key)
-        keys = self.keys(workflow)
+        parts = self.partitions(workflow)
         if request_id is not None:
             check_request_id(request_id)
-            markers = [*markers, Marker(keys.request(request_id), "same")]
-        new_id = run_id or new_run_id()
+        # The partition: the key's (always the same one), else a request id's (its
+        # retry must find the first call's record), else any, to spread the load.
+        if idempotency_key is not None:
+            keys = self.keys_for_key(workflow, idempotency_key)
+        elif request_id is not None:
+            keys = parts[partition_of(request_id, len(parts))]
+        elif run_id is not None:
+            keys = self.keys_for_run(workflow, run_id)
+        else:
+            keys = random.choice(parts)
+        if request_id is not None:
+            markers = [*markers, Marker(lambda k: k.request(request_id), "same")]
+        if run_id is None:
+            new_id = new_run_id()
+            if keys.partition is not None:
+                new_id = run_id_in(new_id, keys.partition)
+        elif keys.partition is not None and self.keys_for_run(workflow, run_id) != keys:
+            raise RealmError(
+                "VALIDATION_PARAMS",
+                f"run_id must end in {keys.partition:04x}: the partition of its key",
+            )
+        else:
+            new_id = run_id
         run_key = keys.run(new_id)
         if idempotency_key is None:
             pointer = keyruns = run_key
         else:
             pointer, keyruns = keys.pointer(idempotency_key), keys.key_runs(idempotency_key)
         head = [run_key, keys.runs(), keys.stream(), pointer, keyruns]
-        tail = [m.key for m in markers]
+        tail = [m.name(keys) for m in markers]
         argv: list[Any] = [
             new_id,
             workflow,
@@ -186,13 +229,13 @@ class RunStore:
     def event_marker(self, workflow: str, trigger: str, event_id: str) -> Marker:
         """A redelivery of this event (to this trigger) gets the run the first delivery
         got, deduplicated, whatever the key's policy says about other events."""
-        return Marker(self.keys(workflow).event(trigger, event_id), "dedupe")
+        return Marker(lambda k: k.event(trigger, event_id), "dedupe")
 
     def replay_marker(self, workflow: str, trigger: str, digest: str, event_id: str) -> Marker:
         """The replay guard: this verified body seen again under another event id is
         deduplicated onto the first one's run; under the same event id, the key's
         policy decides (a real redelivery)."""
-        return Marker(self.keys(workflow).body(trigger, digest), "replay", event_id)
+        return Marker(lambda k: k.body(trigger, digest), "replay", event_id)
 
     async def start_run_batch(
         self,
@@ -209,9 +252,13 @@ class RunStore:
         Every item is checked first: if any fails, nothing starts
         (``VALIDATION_BATCH_ITEMS``). A key repeated within the batch is
         deduplicated against its first item. All items of a workflow share one
-        hash slot, so the whole batch is one script call: all or nothing.
-        ``batch_id``: item i's run id is derived from it, so a retry of the same
-        batch after an unknown outcome (503) starts nothing twice.
+        hash slot, so the whole batch is one script call: all or nothing. A
+        partitioned workflow takes one such call per partition its items fall in;
+        if one fails, the batch is StoreUnavailable (503) and its retry with the same
+        ``batch_id`` completes it.
+        ``batch_id``: item i's run id (and partition, for a keyless item) is derived
+        from it, so a retry of the same batch after an unknown outcome (503) starts
+        nothing twice.
         """
         wf = self.config.workflow(workflow)
         check_policies(on_live_match, on_terminal_match, on_params_mismatch)
@@ -239,48 +286,38 @@ class RunStore:
                 if key is not None:
                     first_of[key] = i
                 to_send.append(i)
+        # Each item's partition: its key's, else one its batch id names (a retry
+        # must land where the first try did), else any. One call per partition.
+        parts = self.partitions(workflow)
+        by_partition: dict[int, list[int]] = {}
+        ids: dict[int, str] = {}
+        for i in to_send:
+            key = prepared[i][0]
+            if key is not None:
+                p = partition_of(key, len(parts))
+            elif batch_id is not None:
+                p = partition_of(f"{batch_id}\n{i}", len(parts))
+            else:
+                p = random.randrange(len(parts))
+            by_partition.setdefault(p, []).append(i)
+            run_id = batch_run_id(workflow, batch_id, i) if batch_id else new_run_id()
+            ids[i] = run_id if parts[p].partition is None else run_id_in(run_id, p)
         outcomes: dict[int, StartResult | RealmError] = {}
-        keys = self.keys(workflow)
-        ids = {i: batch_run_id(workflow, batch_id, i) if batch_id else new_run_id()
-               for i in to_send}  # fmt: skip
         common = [workflow, wf.steps_json, on_live_match, on_terminal_match,
                   on_params_mismatch, wf.retention_ms, wf.steps[0]]  # fmt: skip
-        named: dict[int, str] = {}
         async with self.deadline():
-            for _ in range(MAX_CLAIM_CALLS):
-                script_keys = [keys.runs(), keys.stream()]
-                argv: list[Any] = list(common)
-                for i in to_send:
-                    key, params_json, fingerprint = prepared[i]
-                    run_key = keys.run(ids[i])
-                    if key is None:
-                        script_keys += [run_key, run_key, run_key, run_key]
-                    else:
-                        script_keys += [run_key, keys.pointer(key), keys.key_runs(key),
-                                        keys.run(named[i]) if i in named else run_key]  # fmt: skip
-                    argv += [ids[i], key or "", params_json, fingerprint, named.get(i, "")]
-                reply = await self._retrying(
-                    lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
-                )
-                if reply[0] != b"need_run":
-                    break
-                # Nothing was written: name the runs the repeats point at, and go again.
-                for n in range(1, len(reply), 2):
-                    named[to_send[int(reply[n]) - 1]] = text_of(reply[n + 1])
-            else:
-                raise StoreUnavailable(
-                    f"keys kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
-                )
-            for n, i in enumerate(to_send):
-                group = reply[6 * n : 6 * n + 6]
-                try:
-                    outcomes[i] = _start_result(
-                        workflow, prepared[i][0], on_live_match, on_terminal_match, group
-                    )
-                except StoreUnavailable:
-                    raise
-                except RealmError as exc:
-                    outcomes[i] = exc
+            for p, items_here in sorted(by_partition.items()):
+                reply = await self._batch_call(parts[p], items_here, prepared, ids, common)
+                for n, i in enumerate(items_here):
+                    group = reply[6 * n : 6 * n + 6]
+                    try:
+                        outcomes[i] = _start_result(
+                            workflow, prepared[i][0], on_live_match, on_terminal_match, group
+                        )
+                    except StoreUnavailable:
+                        raise
+                    except RealmError as exc:
+                        outcomes[i] = exc
 
         entries: list[BatchEntry] = []
         for i, (key, _, _) in enumerate(prepared):
@@ -297,6 +334,41 @@ class RunStore:
                 entries.append(BatchEntry(i, key, result=outcome))
         return entries
 
+    async def _batch_call(
+        self,
+        keys: Keys,
+        to_send: list[int],
+        prepared: list[tuple[str | None, bytes, str]],
+        ids: dict[int, str],
+        common: list[Any],
+    ) -> list[Any]:
+        """start_batch.lua for the items of one partition: one atomic call (after the
+        `need_run` rounds that name the runs its repeats point at, which write nothing)."""
+        named: dict[int, str] = {}
+        for _ in range(MAX_CLAIM_CALLS):
+            script_keys = [keys.runs(), keys.stream()]
+            argv: list[Any] = list(common)
+            for i in to_send:
+                key, params_json, fingerprint = prepared[i]
+                run_key = keys.run(ids[i])
+                if key is None:
+                    script_keys += [run_key, run_key, run_key, run_key]
+                else:
+                    script_keys += [run_key, keys.pointer(key), keys.key_runs(key),
+                                    keys.run(named[i]) if i in named else run_key]  # fmt: skip
+                argv += [ids[i], key or "", params_json, fingerprint, named.get(i, "")]
+            reply = await self._retrying(
+                lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
+            )
+            if reply[0] != b"need_run":
+                return reply
+            # Nothing was written: name the runs the repeats point at, and go again.
+            for n in range(1, len(reply), 2):
+                named[to_send[int(reply[n]) - 1]] = text_of(reply[n + 1])
+        raise StoreUnavailable(
+            f"keys kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
+        )
+
     async def preview_start(
         self,
         workflow: str,
@@ -311,11 +383,15 @@ class RunStore:
         A marker that the claim would find (a redelivered event, a replayed body)
         decides first, as in the script: the run it names, deduplicated."""
         self.config.workflow(workflow)
-        keys = self.keys(workflow)
+        keys = (
+            self.keys(workflow)
+            if idempotency_key is None
+            else self.keys_for_key(workflow, idempotency_key)
+        )
         async with self.deadline():
             for marker in markers:
                 run, tag = await self._retrying(
-                    lambda m=marker: self.redis.hmget(m.key, ["run", "tag"])
+                    lambda m=marker: self.redis.hmget(m.name(keys), ["run", "tag"])
                 )
                 if run is None or (marker.mode == "replay" and text_of(tag) == marker.tag):
                     continue
@@ -344,7 +420,7 @@ class RunStore:
         names = [workflow] if workflow else list(self.config.workflows)
         if workflow:
             self.config.workflow(workflow)
-        run_keys = [self.keys(name).run(run_id) for name in names]
+        run_keys = [self.keys_for_run(name, run_id).run(run_id) for name in names]
         async with self.deadline():
             found = await self._retrying(lambda: self._hgetall_many(run_keys))
         for data in found:
@@ -372,33 +448,63 @@ class RunStore:
             raise RealmError("VALIDATION_PARAMS", f"phase must be one of {', '.join(PHASES)}")
         if not 1 <= limit <= 1000:
             raise RealmError("VALIDATION_PARAMS", "limit must be between 1 and 1000")
-        keys = self.keys(workflow)
-        index = keys.runs() if key is None else keys.key_runs(key)
-        position = _parse_cursor(cursor)
-        runs: list[Run] = []
-        scanned = 0
+        parts = self.partitions(workflow) if key is None else [self.keys_for_key(workflow, key)]
         async with self.deadline():
-            # Bounded work per call: a phase filter over a large store returns a
-            # short page and a cursor rather than walking everything at once.
-            while len(runs) < limit and scanned < 20 * limit + 1000:
-                batch = await self._retrying(
-                    lambda start=position: self.redis.zrevrange(index, start, start + 199)
+            if len(parts) == 1:
+                page, position = await self._list_partition(
+                    parts[0], key, phase, limit, _parse_cursor(cursor)
                 )
-                if not batch:
-                    position = -1
-                    break
-                run_keys = [keys.run(text_of(run_id)) for run_id in batch]
-                records = await self._retrying(
-                    lambda run_keys=run_keys: self._hgetall_many(run_keys)
+                return [run for run, *_ in page], (None if position < 0 else str(position))
+            # Partitioned: each partition newest first, merged; the cursor holds each
+            # partition's offset ('-' once it is done), e.g. '12.9.-.30'.
+            offsets = _parse_partition_cursor(cursor, len(parts))
+            pages = {
+                p: await self._list_partition(parts[p], None, phase, limit, offset)
+                for p, offset in enumerate(offsets)
+                if offset >= 0
+            }
+        # Merged by index score (start time in µs, from the server's clock).
+        tagged = ([(*item, p) for item in page] for p, (page, _) in pages.items())
+        shown = list(itertools.islice(heapq.merge(*tagged, key=lambda t: -t[2]), limit))
+        after_shown = {p: after for _, after, _, p in shown}  # the last shown of each
+        next_offsets = [-1] * len(parts)
+        for p, (page, end) in pages.items():
+            taken = sum(1 for *_, q in shown if q == p)
+            next_offsets[p] = end if taken == len(page) else after_shown.get(p, offsets[p])
+        runs = [run for run, *_ in shown]
+        if all(offset < 0 for offset in next_offsets):
+            return runs, None
+        return runs, ".".join("-" if offset < 0 else str(offset) for offset in next_offsets)
+
+    async def _list_partition(
+        self, keys: Keys, key: str | None, phase: str | None, limit: int, position: int
+    ) -> tuple[list[tuple[Run, int, float]], int]:
+        """Up to ``limit`` runs of one partition from index offset ``position``, each
+        with the offset just after it and its index score, and where the scan
+        stopped (-1: at the end)."""
+        index = keys.runs() if key is None else keys.key_runs(key)
+        runs: list[tuple[Run, int, float]] = []
+        scanned = 0
+        # Bounded work per call: a phase filter over a large store returns a
+        # short page and a cursor rather than walking everything at once.
+        while len(runs) < limit and scanned < 20 * limit + 1000:
+            batch = await self._retrying(
+                lambda start=position: self.redis.zrevrange(
+                    index, start, start + 199, withscores=True
                 )
-                scanned += len(batch)
-                for record in records:
-                    position += 1
-                    if record and (phase is None or text_of(record[b"phase"]) == phase):
-                        runs.append(run_from_hash(record))
-                        if len(runs) == limit:
-                            break
-        return runs, (None if position < 0 else str(position))
+            )
+            if not batch:
+                return runs, -1
+            run_keys = [keys.run(text_of(run_id)) for run_id, _ in batch]
+            records = await self._retrying(lambda run_keys=run_keys: self._hgetall_many(run_keys))
+            scanned += len(batch)
+            for record, (_, score) in zip(records, batch, strict=True):
+                position += 1
+                if record and (phase is None or text_of(record[b"phase"]) == phase):
+                    runs.append((run_from_hash(record), position, score))
+                    if len(runs) == limit:
+                        break
+        return runs, position
 
     # -- moving runs on ----------------------------------------------------------------
 
@@ -412,7 +518,7 @@ class RunStore:
         what the first attempt did."""
         run = await self.get_run(run_id)
         wf = self.config.workflow(run.workflow)
-        keys = self.keys(run.workflow)
+        keys = self.keys_for_run(run.workflow, run_id)
         op = keys.op(_op_id(op_id))
         script_keys = [keys.run(run_id), keys.stream(), op, *self._key_keys(keys, run)]
         async with self.deadline():
@@ -451,7 +557,7 @@ class RunStore:
         self.config.workflow(workflow)
         check_key(key)
         wf = self.config.workflows[workflow]
-        keys = self.keys(workflow)
+        keys = self.keys_for_key(workflow, key)
         pointer = keys.pointer(key)
         op = keys.op(_op_id(op_id))
         async with self.deadline():
@@ -473,9 +579,43 @@ class RunStore:
             f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
         )
 
-    async def ping(self) -> None:
+    async def check_layout(self) -> None:
+        """Refuse a ``partitions`` that differs from the one the workflow's data is stored
+        with (ConfigError): its keys would be looked for under other hash tags, and
+        every promise about them lost. There is no migration: change N on an empty
+        workflow, or under a new workflow name. The first use records N."""
         async with self.deadline():
-            await self._retrying(self.redis.ping)
+            for name, wf in self.config.workflows.items():
+                meta = Keys(self.prefix, name).meta()
+                stored = await self._retrying(lambda m=meta: self.redis.hget(m, "partitions"))
+                if stored is None:
+                    # No record yet: data stored before partitions existed is in {wf}.
+                    if wf.partitions > 1:
+                        old = Keys(self.prefix, name).runs()
+                        if await self._retrying(lambda k=old: self.redis.exists(k)):
+                            stored = b"1"
+                    if stored is None:
+                        await self._retrying(
+                            lambda m=meta, n=wf.partitions: self.redis.hsetnx(m, "partitions", n)
+                        )
+                        stored = await self._retrying(
+                            lambda m=meta: self.redis.hget(m, "partitions")
+                        )
+                if stored is not None and int(stored) != wf.partitions:
+                    raise ConfigError(
+                        self.config.file,
+                        f"the store holds this workflow's data with partitions: "
+                        f"{int(stored)}; changing it to {wf.partitions} is refused (there is "
+                        "no migration: keep it, or use a new workflow name)",
+                        section="workflow",
+                        name=name,
+                        field="partitions",
+                    )
+
+    async def ping(self) -> None:
+        """The server answers; on a cluster, every primary does (each slot has a home)."""
+        async with self.deadline():
+            await self._retrying(lambda: ping_every_primary(self.redis))
 
     def close(self) -> None:
         """Close the store's own pipelined connection (the client is the caller's)."""
@@ -495,7 +635,7 @@ class RunStore:
     ) -> tuple[str, str]:
         run = await self.get_run(run_id)
         wf = self.config.workflow(run.workflow)
-        keys = self.keys(run.workflow)
+        keys = self.keys_for_run(run.workflow, run_id)
         script_keys = [keys.run(run_id), keys.op(_op_id(op_id)), *self._key_keys(keys, run)]
         async with self.deadline():
             reply = await self._retrying(
@@ -552,6 +692,11 @@ class RunStore:
                 if isinstance(exc, _NOT_NOW) or str(exc).startswith(NOT_NOW_PREFIXES):
                     raise StoreUnavailable(f"Redis refused the call: {_describe(exc)}") from None
                 raise
+            except (redis_errors.ClusterError, redis_errors.RedisClusterException) as exc:
+                # A cluster in the middle of a change (redirections that did not settle
+                # within redis-py's 16, a slot no node serves) or whose slot map no
+                # seed gave: nothing was decided, and a retry later may pass.
+                raise StoreUnavailable(f"the cluster is not ready: {_describe(exc)}") from None
         raise AssertionError("unreachable")
 
 
@@ -567,6 +712,11 @@ _NOT_NOW = (
     redis_errors.OutOfMemoryError,
     redis_errors.ReadOnlyError,
     redis_errors.MasterDownError,
+    # A cluster's client maps these replies to its own classes, without the prefix:
+    # CLUSTERDOWN, TRYAGAIN, and a MOVED or ASK it did not follow (in a pipeline).
+    redis_errors.ClusterDownError,
+    redis_errors.TryAgainError,
+    redis_errors.AskError,
 )
 
 
@@ -657,9 +807,25 @@ def _op_id(op_id: str | None) -> str:
 def _parse_cursor(cursor: str | None) -> int:
     if cursor is None:
         return 0
-    if not cursor.isdigit():
-        raise RealmError("VALIDATION_PARAMS", f"cursor {cursor!r} is not one this API returned")
+    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
+        raise RealmError("VALIDATION_PARAMS", _bad_cursor(cursor))
     return int(cursor)
+
+
+def _bad_cursor(cursor: str) -> str:
+    return f"cursor {cursor[:40]!r} is not one this API returned"
+
+
+def _parse_partition_cursor(cursor: str | None, partitions: int) -> list[int]:
+    """A partitioned listing's cursor: one offset per partition, -1 for a done one."""
+    if cursor is None:
+        return [0] * partitions
+    parts = cursor.split(".")
+    if len(parts) != partitions or not all(
+        part == "-" or (part.isascii() and part.isdigit() and len(part) <= 18) for part in parts
+    ):
+        raise RealmError("VALIDATION_PARAMS", _bad_cursor(cursor))
+    return [-1 if part == "-" else int(part) for part in parts]
 
 
 def _run_not_found(run_id: str) -> RealmError:

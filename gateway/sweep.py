@@ -22,7 +22,10 @@ import logging
 import random
 from dataclasses import dataclass
 
+from redis.asyncio.cluster import RedisCluster
+
 from gateway.errors import StoreUnavailable
+from gateway.keys import Keys
 from gateway.runs import text_of
 from gateway.store import RunStore
 
@@ -60,31 +63,41 @@ async def sweep(store: RunStore, workflow: str, *, max_calls: int = MAX_CALLS) -
     wf = store.config.workflow(workflow)
     stream_retention_ms = wf.stream_retention_ms or wf.retention_ms
     report = SweepReport(workflow)
-    for _ in range(max_calls):
-        # The store's own retry maps "not now" and a dropped connection to
-        # StoreUnavailable; a step is safe to repeat (the position is compared).
-        async with store.deadline():
-            more = await store._retrying(
-                lambda: _step(store, workflow, wf.retention_ms, stream_retention_ms, report)
-            )
-        if not more:
-            break
+    # A partitioned workflow has an index, a stream and a position per partition;
+    # each gets the same bound.
+    for keys in store.partitions(workflow):
+        for _ in range(max_calls):
+            # The store's own retry maps "not now" and a dropped connection to
+            # StoreUnavailable; a step is safe to repeat (the position is compared).
+            async with store.deadline():
+                more = await store._retrying(
+                    lambda k=keys: _step(store, k, wf.retention_ms, stream_retention_ms, report)
+                )
+            if not more:
+                break
     return report
 
 
 async def _step(
     store: RunStore,
-    workflow: str,
+    keys: Keys,
     retention_ms: int,
     stream_retention_ms: int,
     report: SweepReport,
 ) -> bool:
     """One script call; True when there is more to do right away."""
-    redis, keys = store.redis, store.keys(workflow)
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.get(keys.sweep())
-        pipe.time()
-        held, (seconds, micros) = await pipe.execute()
+    redis = store.redis
+    if isinstance(redis, RedisCluster):
+        # redis-py refuses TIME in a cluster pipeline: two calls, the clock of the
+        # node that serves the workflow's slot.
+        held = await redis.get(keys.sweep())
+        node = redis.get_node_from_key(keys.sweep())
+        seconds, micros = await redis.time(target_nodes=node)
+    else:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.get(keys.sweep())
+            pipe.time()
+            held, (seconds, micros) = await pipe.execute()
     read_from = held.decode() if held else ""
     # A run expires `retention` after it ended, so only an id that started longer
     # ago than that can have expired: the walk stops there and starts over, and

@@ -11,7 +11,9 @@ from redis.asyncio import Redis
 from gateway.config import Config, parse_config
 from gateway.connection import redis_client
 from gateway.store import RunStore
+from tests.cluster import Cluster
 from tests.listener import Listener
+from tests.sentinel import SentinelDeployment
 from tests.servers import RedisServer
 
 WORKFLOWS_YAML = """
@@ -95,6 +97,47 @@ def start_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A private 3-primary, 3-replica cluster shared by one test module (tests/cluster.py).
+    Tests use ``cluster_db`` too, which makes it whole and empty first."""
+    started = Cluster(tmp_path_factory.mktemp("cluster")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def cluster_db(cluster: Cluster) -> Iterator[redis_sync.RedisCluster]:
+    """The module's cluster with every node up (killed ones revived) and flushed; a
+    synchronous cluster client of it."""
+    cluster.ensure_whole()
+    cluster.flushall()
+    client = cluster.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelDeployment]:
+    """A private primary, one replica and 3 sentinels shared by one test module
+    (tests/sentinel.py). Tests use ``sentinel_db`` too, which makes it whole and empty."""
+    started = SentinelDeployment(tmp_path_factory.mktemp("sentinel")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def sentinel_db(sentinel: SentinelDeployment) -> Iterator[redis_sync.Redis]:
+    """The module's Sentinel deployment with every node up (killed ones back as
+    replicas) and flushed; a synchronous client of its current primary."""
+    sentinel.heal()
+    client = sentinel.client()
+    client.flushall()
+    sentinel.wait_until_agreed()  # the flush is on the replica too
+    yield client
+    client.close()
 
 
 @pytest.fixture
