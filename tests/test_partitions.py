@@ -5,9 +5,12 @@ always lives in one partition. Against a real Redis of the tests' own."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 
@@ -16,6 +19,7 @@ from gateway.errors import ConfigError, RealmError
 from gateway.keys import Keys, partition_of, partition_of_run
 from gateway.store import RunStore
 from gateway.sweep import sweep
+from tests.listener import Listener
 
 N = 4
 YAML = f"""
@@ -231,9 +235,6 @@ triggers:
 
 def test_the_cli_refuses_a_changed_layout_in_one_line(tmp_path, module_redis, db) -> None:
     """`realm run …` and `realm listen` check the layout before they touch a run."""
-    import subprocess
-    import sys
-
     config = tmp_path / "triggers.yaml"
 
     def realm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -251,3 +252,45 @@ def test_the_cli_refuses_a_changed_layout_in_one_line(tmp_path, module_redis, db
         assert refused.returncode == 3, refused.stderr
         [line] = refused.stderr.strip().splitlines()[-1:]
         assert "partitions: 4; changing it to 8 is refused" in line
+
+
+def test_a_listener_spreads_deliveries_and_deduplicates_redeliveries(tmp_path, module_redis, db):
+    """A real `realm listen` on a partitioned workflow: 40 events over 4 partitions,
+    each redelivery deduplicated onto its run."""
+    text = (
+        YAML
+        + """
+triggers:
+  tick:
+    workflow: hot
+    path: /hooks/hot
+    verify: {scheme: token, header: X-Token, secret_env: HOT_TOKEN}
+    event_id: {header: Idempotency-Key}
+"""
+    )
+    listener = Listener(
+        tmp_path, text, redis_url=module_redis.url, env={"HOT_TOKEN": "hot-token-1"}
+    ).start()
+    try:
+        with httpx.Client(base_url=listener.base_url, timeout=10) as client:
+
+            def deliver(event: str) -> dict:
+                reply = client.post(
+                    "/hooks/hot",
+                    content=b"{}",
+                    headers={"X-Token": "hot-token-1", "Idempotency-Key": event,
+                             "Content-Type": "application/json"},
+                )  # fmt: skip
+                assert reply.status_code in (200, 202), reply.text
+                return reply.json()["results"][0]
+
+            first = {f"evt-{n}": deliver(f"evt-{n}")["run_id"] for n in range(40)}
+            again = {event: deliver(event) for event in first}
+    finally:
+        listener.stop()
+    assert all(r["outcome"] == "deduplicated" for r in again.values())
+    assert {e: r["run_id"] for e, r in again.items()} == first
+    counts = [db.zcard(f"realm:{{hot#{p}}}:runs") for p in range(N)]
+    assert sum(counts) == 40 and all(c > 0 for c in counts), counts
+    for event, run_id in first.items():
+        assert partition_of_run(run_id, N) == partition_of(event, N)
