@@ -377,8 +377,9 @@ def post_one(port: int, secret: bytes, delivery: str, body: bytes) -> tuple[int,
 def smoke_test(apps: list[App], secret: bytes) -> None:
     """One delivery and its redelivery per app: 202 then (with Redis) 200."""
     body = json.dumps(push_payload(random.Random(1), 0), separators=(",", ":")).encode()
-    delivery = str(uuid.uuid4())
     for app in apps:
+        # A delivery of each app's own: the gateway and its baseline share one Redis.
+        delivery = str(uuid.uuid4())
         first, text = post_one(app.port, secret, delivery, body)
         again, text2 = post_one(app.port, secret, delivery, body)
         want_again = 202 if app.name == "ceiling" else 200

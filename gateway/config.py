@@ -41,7 +41,7 @@ WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "p
 MAX_PARTITIONS = 1024
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
 SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight",
-                   "max_buffered_body_bytes", "max_header_bytes"}  # fmt: skip
+                   "max_buffered_body_bytes", "max_header_bytes", "durability"}  # fmt: skip
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
@@ -105,6 +105,21 @@ class Workflow:
 
 
 @dataclass(frozen=True)
+class Durability:
+    """``settings.durability``: a claim is acknowledged only once its writes are on
+    ``replicas`` replicas (``WAIT``), and with ``fsync`` also fsynced on the primary
+    and those replicas (``WAITAOF``, Redis 7.2+/Valkey), within ``timeout`` seconds;
+    otherwise 503 (gateway/pipeline.py)."""
+
+    replicas: int = 1
+    fsync: bool = False
+    timeout: float = 0.5
+
+
+DURABILITY_FIELDS = {"replicas", "fsync", "timeout"}
+
+
+@dataclass(frozen=True)
 class Settings:
     key_prefix: str = DEFAULT_PREFIX
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -113,6 +128,7 @@ class Settings:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    durability: Durability | None = None  # None: acknowledged once the primary has it
 
 
 @dataclass(frozen=True)
@@ -380,8 +396,45 @@ def _parse_settings(raw: object, file: str) -> Settings:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise error(name, f"must be an integer of at least {floor} (got {value!r})")
         sizes[name] = value
+    durability = _parse_durability(raw.get("durability"), timeouts["redis_timeout"], error)
     return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
-                    **timeouts, **sizes)  # fmt: skip
+                    durability=durability, **timeouts, **sizes)  # fmt: skip
+
+
+def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durability | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise error(
+            "durability", "must be a mapping like {replicas: 1, fsync: false, timeout: 0.5}"
+        )
+    unknown = sorted(str(k) for k in raw if k not in DURABILITY_FIELDS)
+    if unknown:
+        raise error(
+            f"durability.{unknown[0]}", f"unknown field; allowed: {sorted(DURABILITY_FIELDS)}"
+        )
+    replicas = raw.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= 100:
+        raise error("durability.replicas", f"must be an integer from 0 to 100 (got {replicas!r})")
+    fsync = raw.get("fsync", False)
+    if not isinstance(fsync, bool):
+        raise error("durability.fsync", f"must be true or false (got {fsync!r})")
+    if replicas == 0 and not fsync:
+        raise error("durability.replicas", "0 replicas without fsync confirms nothing: set one")
+    timeout = raw.get("timeout", 0.5)
+    # A claim may wait for the confirmation before its own, then its own: both must
+    # fit in the claim's deadline (redis_timeout). 0 would make WAIT block for ever.
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (0.001 <= timeout < redis_timeout / 2)
+    ):
+        raise error(
+            "durability.timeout",
+            f"must be seconds from 0.001 to below half of redis_timeout ({redis_timeout:g}) "
+            f"(got {timeout!r})",
+        )
+    return Durability(replicas=replicas, fsync=fsync, timeout=float(timeout))
 
 
 def _clip(text: str, limit: int = 200) -> str:

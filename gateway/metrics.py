@@ -33,6 +33,13 @@ LATENCY = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )  # fmt: skip
 
+REDIRECTIONS = Counter(
+    "realm_redis_redirections_total",
+    "Redis Cluster replies the listener's claims followed: moved (the slot has a new "
+    "owner), ask (the slot is migrating), tryagain (its keys are split by a migration)",
+    ["kind"],
+)
+
 
 def render() -> tuple[bytes, str]:
     """The exposition text and its content type."""

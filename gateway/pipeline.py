@@ -14,6 +14,20 @@ a dropped connection fails every call on it with ``ConnectionError``, and a
 connection whose oldest reply is ``timeout`` seconds late is dropped and fails
 its calls with ``TimeoutError``. The next call connects again.
 
+Where it connects is looked up on every (re)connect when a ``resolver`` is given
+(Sentinel: the primary promoted after a failover is found again).
+
+With ``durability`` (``settings.durability``), each write that carries a claim ends
+with one ``WAIT`` (or ``WAITAOF``) on the same connection, and each claim of that
+write succeeds only when it confirms enough replicas (group commit: one
+replication round trip for the whole write, however many claims it carries; a
+``WAIT`` after each claim would cost one round trip each, since a blocked client's
+next command waits for it). Not confirmed in time: ``StoreUnavailable`` (503).
+
+On Redis Cluster (``for_client`` given a ``RedisCluster``), ``ClusterPipeline``
+keeps one such connection per primary and routes each call by its hash slot,
+following ``MOVED`` and ``ASK``.
+
 Plain TCP and unix sockets only; for other connections (TLS) ``for_client``
 returns None and the store calls through redis-py.
 """
@@ -22,66 +36,156 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Mapping
-from typing import Any, cast
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import hiredis
 from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.commands.core import AsyncScript
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+from gateway import metrics
+from gateway.errors import StoreUnavailable
+
+if TYPE_CHECKING:
+    from gateway.config import Durability
+
+log = logging.getLogger("realm")
+
+# Looked up on every (re)connect: the fields of the address to use now (``host`` and
+# ``port``, or ``path``), laid over the static address (which keeps the credentials).
+Resolver = Callable[[], Awaitable[Mapping[str, Any]]]
+
+_ASKING = hiredis.pack_command((b"ASKING",))
+
+
+class NotConnected(redis_errors.ConnectionError):
+    """The connection could not be made: nothing was sent, so the call may go
+    elsewhere (another node, after a fresh slot map)."""
 
 
 class Pipeline:
     """Sends commands on one connection as they come and matches replies in order."""
 
-    def __init__(self, address: Mapping[str, Any], timeout: float, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        address: Mapping[str, Any],
+        timeout: float,
+        connect_timeout: float,
+        *,
+        resolver: Resolver | None = None,
+        durability: Durability | None = None,
+    ) -> None:
         """``address``: host and port, or path, plus db, username and password, as in
         redis-py's connection kwargs. ``timeout``: how late a reply may be before the
-        connection is given up on."""
+        connection is given up on. ``resolver``: where to connect, asked on every
+        (re)connect (its fields override the address's). ``durability``: confirm
+        each script call's writes on replicas (and fsyncs) before returning it."""
         self.address = address
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.resolver = resolver
+        self.durability = durability
+        self._confirm = confirm_command(durability) if durability else None
+        # Script calls may skip ``send`` (one call less each) unless it has work to
+        # do: a confirmation, or a subclass's own (gateway/sentinel.py).
+        self._direct = durability is None and type(self).send is Pipeline.send
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
 
     @classmethod
-    def for_client(cls, redis: Redis, timeout: float) -> Pipeline | None:
-        """A pipeline to the server ``redis`` talks to, or None if its kind of
-        connection is not one this module speaks (TLS, say)."""
+    def for_client(
+        cls,
+        redis: Redis | RedisCluster,
+        timeout: float,
+        *,
+        durability: Durability | None = None,
+        resolver: Resolver | None = None,
+    ) -> Pipeline | ClusterPipeline | None:
+        """A pipeline to the server ``redis`` talks to (a ``ClusterPipeline`` for a
+        cluster client), or None if its kind of connection is not one this module
+        speaks (TLS, say)."""
+        if isinstance(redis, RedisCluster):
+            return ClusterPipeline.for_client(redis, timeout, durability=durability)
         pool = redis.connection_pool
-        if pool.connection_class not in (Connection, UnixDomainSocketConnection):
+        kind = pool.connection_class
+        if issubclass(kind, SSLConnection) or (
+            # With a resolver (Sentinel), a subclass that finds its server itself is fine.
+            resolver is None and kind not in (Connection, UnixDomainSocketConnection)
+        ):
             return None
         kwargs = pool.connection_kwargs
         connect_timeout = kwargs.get("socket_connect_timeout") or timeout
-        return cls(kwargs, timeout, connect_timeout)
+        return cls(kwargs, timeout, connect_timeout, resolver=resolver, durability=durability)
 
     async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
-        """``EVALSHA`` ``script``: its reply, or the error Redis or the connection gave."""
+        """``EVALSHA`` ``script``: its reply, or the error Redis or the connection gave.
+        With durability, only once its writes are confirmed (else StoreUnavailable)."""
         command = hiredis.pack_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
-        reply = await self._send(command)
+        if self._direct:  # the hot path, as lean as before durability existed
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = await self._connect()
+            reply = await conn.send(command)
+        else:
+            reply = await self.send(command)
         if isinstance(reply, redis_errors.NoScriptError):
             # The server lost its script cache (restart, SCRIPT FLUSH): the call did
             # not run, so load the script and send it once more.
             await self.execute(b"SCRIPT", b"LOAD", script.script)
-            reply = await self._send(command)
+            reply = await self.send(command)
         if isinstance(reply, Exception):
             raise reply
         return reply
 
     async def execute(self, *args: Any) -> Any:
-        """Any other command: its reply, or raises the error."""
-        reply = await self._send(hiredis.pack_command(args))
+        """Any other command (never confirmed): its reply, or raises the error."""
+        reply = await self.send(hiredis.pack_command(args), confirm=False)
         if isinstance(reply, Exception):
             raise reply
         return reply
 
-    async def _send(self, command: bytes) -> Any:
+    async def send(self, command: bytes, *, asking: bool = False, confirm: bool = True) -> Any:
+        """One packed command: its reply (an error reply as a value). ``asking``: send
+        ``ASKING`` right before it, on the same connection (a cluster's ASK).
+        Raises on connection trouble, and StoreUnavailable when durability is set
+        and the command's writes are not confirmed in time."""
         conn = self._conn
         if conn is None or conn.closed:
             conn = await self._connect()
-        return await conn.send(command)
+        if asking:
+            # Its +OK (or its failure, which the command shares) is not waited for.
+            _quiet(conn.send(_ASKING))
+        if self._confirm is None or not confirm:
+            return await conn.send(command)
+        if self.durability.fsync:  # type: ignore[union-attr]
+            # WAITAOF goes after the reply, not in the same write: a replica answers
+            # the primary's ack request with the offset it has fsynced so far, and one
+            # that reads the writes and the request together has not fsynced them yet;
+            # it then tells only on its once-a-second ack (1 s a claim, measured).
+            reply = await conn.send(command)
+            if isinstance(reply, Exception):
+                return reply
+            durability = cast("Durability", self.durability)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + durability.timeout - FSYNC_SLICE
+            while not is_confirmed(durability, confirmed := await conn.confirm(self._confirm)):
+                if loop.time() >= until or isinstance(confirmed, Exception):
+                    check_confirmed(durability, confirmed)
+            return reply
+        reply_future, confirmed_future = conn.send_confirmed(command, self._confirm)
+        _quiet(confirmed_future)  # the reply's own failure is what its caller sees
+        reply = await reply_future
+        confirmed = await confirmed_future
+        if not isinstance(reply, Exception):
+            check_confirmed(self.durability, confirmed)  # type: ignore[arg-type]
+        return reply
 
     async def _connect(self) -> _Connection:
         # Callers that arrive while a connection is being made wait for that one; a
@@ -102,6 +206,8 @@ class Pipeline:
         a = self.address
         try:
             async with asyncio.timeout(self.connect_timeout):
+                if self.resolver is not None:
+                    a = {**a, **(await self.resolver())}
                 if a.get("path"):
                     _, conn = await loop.create_unix_connection(
                         lambda: _Connection(self.timeout), a["path"]
@@ -111,10 +217,15 @@ class Pipeline:
                         lambda: _Connection(self.timeout), a.get("host", "localhost"),
                         a.get("port", 6379),
                     )  # fmt: skip
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, redis_errors.RedisError) as exc:
             where = a.get("path") or f"{a.get('host', 'localhost')}:{a.get('port', 6379)}"
-            reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or exc
-            raise redis_errors.ConnectionError(f"cannot connect to {where}: {reason}") from None
+            if isinstance(exc, TimeoutError):
+                reason: object = "timed out"
+            elif isinstance(exc, OSError):
+                reason = exc.strerror or exc
+            else:  # the resolver's own trouble (no Sentinel answers, say)
+                reason = exc
+            raise NotConnected(f"cannot connect to {where}: {reason}") from None
         try:
             # The handshake redis-py would make: AUTH, then SELECT.
             if a.get("password"):
@@ -141,6 +252,330 @@ class Pipeline:
             self._conn = None
 
 
+def script_pipeline(
+    redis: Redis | RedisCluster, timeout: float, pipelined: bool, durability: Durability | None
+) -> Pipeline | ClusterPipeline | None:
+    """The store's pipeline for its script calls: when ``pipelined`` (the listener),
+    and for a cluster with durability (where redis-py cannot confirm a write: it
+    sends WAIT to every node); None means through redis-py."""
+    if pipelined or (durability is not None and isinstance(redis, RedisCluster)):
+        return Pipeline.for_client(redis, timeout, durability=durability)
+    return None
+
+
+# -- durability ------------------------------------------------------------------------
+
+
+# WAITAOF is sent in slices of at most this long, again until the whole timeout: each
+# one makes the primary ask its replicas afresh. A replica answers the primary's ask
+# with the offset it has fsynced so far, and one that read the writes and the ask
+# together has not fsynced them yet; unasked, it tells only once a second.
+FSYNC_SLICE = 0.005
+
+
+def confirm_command(durability: Durability) -> bytes:
+    """The command that confirms a write's writes: ``WAITAOF 1 N ms`` with fsync (it
+    implies the replicas have the writes too; one slice of the timeout, see
+    FSYNC_SLICE), else ``WAIT N ms``. Never a 0 timeout, which blocks for ever."""
+    if durability.fsync:
+        ms = max(1, round(min(durability.timeout, FSYNC_SLICE) * 1000))
+        return hiredis.pack_command((b"WAITAOF", 1, durability.replicas, ms))
+    ms = max(1, round(durability.timeout * 1000))
+    return hiredis.pack_command((b"WAIT", durability.replicas, ms))
+
+
+def is_confirmed(durability: Durability, reply: Any) -> bool:
+    if isinstance(reply, Exception):
+        return False
+    if durability.fsync:
+        local, replicas = (int(x) for x in reply)
+        return local >= 1 and replicas >= durability.replicas
+    return int(reply) >= durability.replicas
+
+
+def check_confirmed(durability: Durability, reply: Any) -> None:
+    """Raise StoreUnavailable unless ``reply`` (of ``confirm_command``) confirms
+    ``durability``: the claim ran, but it must not be acknowledged (the sender's
+    retry deduplicates onto it)."""
+    n, timeout = durability.replicas, durability.timeout
+    if isinstance(reply, Exception):
+        text = str(reply)
+        if durability.fsync and ("unknown command" in text.lower() or "WAITAOF" in text):
+            raise StoreUnavailable(
+                f"durability fsync needs WAITAOF (Redis 7.2+ or Valkey) with appendonly on "
+                f"the primary; the server said: {text}"
+            )
+        raise StoreUnavailable(f"writes not confirmed: {text}; retry")
+    if durability.fsync:
+        local, replicas = (int(x) for x in reply)
+        if local < 1 or replicas < n:
+            raise StoreUnavailable(
+                f"not fsynced on the primary and {n} replica(s) within {timeout:g} s "
+                f"(primary {local}, replicas {replicas}); retry"
+            )
+    elif int(reply) < n:
+        raise StoreUnavailable(
+            f"not confirmed on {n} replica(s) within {timeout:g} s (got {int(reply)}); retry"
+        )
+
+
+async def confirmed_script(
+    redis: Redis, script: AsyncScript, keys: list[Any], args: list[Any], durability: Durability
+) -> Any:
+    """``script`` through redis-py, then the confirmation, on one connection (a
+    redis-py pipeline without MULTI): a confirmation on another connection would
+    confirm nothing of this one's writes."""
+    if isinstance(redis, RedisCluster):
+        # redis-py sends WAIT to every node of a cluster and sums the replies; the
+        # store routes a cluster's scripts through ClusterPipeline instead.
+        raise StoreUnavailable("durability on a TLS cluster is not supported; use plain TCP")
+    confirm = ("WAITAOF", 1) if durability.fsync else ("WAIT",)
+    ms = max(1, round(durability.timeout * 1000))
+    if durability.fsync:
+        # After the reply, as in Pipeline.send (why there); on the same connection.
+        ms = max(1, round(min(durability.timeout, FSYNC_SLICE) * 1000))
+        until = time.monotonic() + durability.timeout - FSYNC_SLICE
+        async with redis.client() as one:
+            reply = await script(keys, args, client=one)
+            while True:
+                try:
+                    confirmed = await one.execute_command(*confirm, durability.replicas, ms)
+                except redis_errors.ResponseError as exc:
+                    confirmed = exc
+                if is_confirmed(durability, confirmed):
+                    return reply
+                if time.monotonic() >= until or isinstance(confirmed, Exception):
+                    check_confirmed(durability, confirmed)
+    for attempt in (1, 2):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command(*confirm, durability.replicas, ms)
+            reply, confirmed = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
+            await redis.script_load(script.script)
+            continue
+        if isinstance(reply, Exception):
+            raise reply
+        check_confirmed(durability, confirmed)
+        return reply
+    raise AssertionError("unreachable")
+
+
+# -- Redis Cluster ---------------------------------------------------------------------
+
+# Redirections and retries one call may follow (the caller's deadline bounds the time).
+MAX_REDIRECTS = 64
+
+
+class ClusterPipeline:
+    """One ``Pipeline`` per primary of a Redis Cluster, each call sent to the primary
+    that owns its hash slot (the slot of its first key: all keys of a script share
+    one hash tag, DESIGN §7).
+
+    ``MOVED``: the slot has a new owner; the map takes it at once, is refreshed from
+    the cluster in the background, and the call goes again. ``ASK``: the slot is
+    being migrated and the key is already on the target; the call goes there after
+    ``ASKING``, the map unchanged. ``TRYAGAIN`` (a multi-key call while its keys are
+    split by a migration): again after a short pause. A node that refuses
+    connections: the map is refreshed and the call goes again. All of these mean
+    the command did not run, so resending it is safe. A connection dropped after
+    sending is an unknown outcome and raises (the store answers 503; its retry
+    deduplicates); the map is refreshed for the next call.
+    """
+
+    def __init__(
+        self,
+        seeds: list[tuple[str, int]],
+        credentials: Mapping[str, Any],
+        timeout: float,
+        connect_timeout: float,
+        *,
+        durability: Durability | None = None,
+    ) -> None:
+        self.seeds = list(seeds)
+        self.credentials = dict(credentials)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.durability = durability
+        # Counters, also in /metrics (gateway/metrics.py).
+        self.moved = 0
+        self.asked = 0
+        self.tryagain = 0
+        self.refreshes = 0
+        self._slots: list[tuple[str, int] | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        self._nodes: dict[tuple[str, int], Pipeline] = {}
+        self._refreshing: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_client(
+        cls, redis: RedisCluster, timeout: float, *, durability: Durability | None = None
+    ) -> ClusterPipeline | None:
+        kwargs = redis.get_connection_kwargs()
+        if kwargs.get("connection_class", Connection) is not Connection or kwargs.get("ssl"):
+            return None
+        seeds = [(n.host, int(n.port)) for n in redis.nodes_manager.startup_nodes.values()]
+        credentials = {k: kwargs[k] for k in ("username", "password") if kwargs.get(k)}
+        connect_timeout = kwargs.get("socket_connect_timeout") or timeout
+        return cls(seeds, credentials, timeout, connect_timeout, durability=durability)
+
+    async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+        """``EVALSHA`` on the primary owning the slot of ``keys[0]``: as Pipeline.evalsha."""
+        first = keys[0]
+        slot = key_slot(first.encode() if isinstance(first, str) else first)
+        command = hiredis.pack_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
+        target: tuple[str, int] | None = None
+        asking = False
+        loaded: set[tuple[str, int]] = set()
+        for attempt in range(MAX_REDIRECTS):
+            if target is None:
+                target = await self._owner(slot)
+            node = self._node(target)
+            try:
+                reply = await node.send(command, asking=asking)
+            except NotConnected:
+                # Nothing was sent: the node is gone. Ask the others who serves the
+                # slot now (after a failover, its promoted replica) and go again.
+                await self.refresh(avoid=target)
+                target, asking = None, False
+                await asyncio.sleep(_pause(attempt))
+                continue
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                self._refresh_soon()
+                raise
+            if not isinstance(reply, redis_errors.ResponseError):
+                return reply
+            if isinstance(reply, redis_errors.MovedError):
+                self.moved += 1
+                metrics.REDIRECTIONS.labels("moved").inc()
+                target, asking = (reply.host, reply.port), False
+                self._slots[slot] = target
+                self._refresh_soon()
+            elif isinstance(reply, redis_errors.AskError):
+                self.asked += 1
+                metrics.REDIRECTIONS.labels("ask").inc()
+                target, asking = (reply.host, reply.port), True
+            elif isinstance(reply, redis_errors.TryAgainError):
+                self.tryagain += 1
+                metrics.REDIRECTIONS.labels("tryagain").inc()
+                target, asking = None, False
+                await asyncio.sleep(_pause(attempt))
+            elif isinstance(reply, redis_errors.NoScriptError) and target not in loaded:
+                loaded.add(target)
+                await node.execute(b"SCRIPT", b"LOAD", script.script)
+            else:
+                raise reply
+        raise StoreUnavailable(f"slot {slot} kept moving ({MAX_REDIRECTS} redirections); retry")
+
+    async def _owner(self, slot: int) -> tuple[str, int]:
+        owner = self._slots[slot]
+        if owner is None:
+            await self.refresh()
+            owner = self._slots[slot]
+            if owner is None:
+                raise redis_errors.ClusterDownError(f"CLUSTERDOWN no node serves slot {slot}")
+        return owner
+
+    def _node(self, address: tuple[str, int]) -> Pipeline:
+        node = self._nodes.get(address)
+        if node is None:
+            host, port = address
+            node = Pipeline(
+                {**self.credentials, "host": host, "port": port},
+                self.timeout, self.connect_timeout, durability=self.durability,
+            )  # fmt: skip
+            self._nodes[address] = node
+        return node
+
+    def _refresh_soon(self) -> None:
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh(None))
+            self._refreshing.add_done_callback(self._refreshed)
+
+    async def refresh(self, avoid: tuple[str, int] | None = None) -> None:
+        """Read the slot map again (one read at a time; callers share it)."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh(avoid))
+            self._refreshing.add_done_callback(self._refreshed)
+        await asyncio.shield(self._refreshing)
+
+    def _refreshed(self, task: asyncio.Future[None]) -> None:
+        self._refreshing = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cluster slot map not refreshed: %s", task.exception())
+
+    async def _refresh(self, avoid: tuple[str, int] | None) -> None:
+        known = list(dict.fromkeys([a for a in self._slots if a is not None]))
+        candidates = [a for a in dict.fromkeys([*known, *self.seeds]) if a != avoid]
+        if avoid is not None:
+            candidates.append(avoid)
+        last: Exception | None = None
+        for address in candidates:
+            try:
+                reply = await self._node(address).execute(b"CLUSTER", b"SLOTS")
+            except (redis_errors.RedisError, OSError) as exc:
+                last = exc
+                continue
+            slots: list[tuple[str, int] | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+            for lo, hi, primary, *_ in reply:
+                host = primary[0].decode() if primary[0] else address[0]
+                owner = (host, int(primary[1]))
+                slots[lo : hi + 1] = [owner] * (hi - lo + 1)
+            self._slots = slots
+            self.refreshes += 1
+            # Connections to nodes that serve nothing any more are closed.
+            owners = set(slots)
+            for gone in [a for a in self._nodes if a not in owners and a not in self.seeds]:
+                self._nodes.pop(gone).close()
+            return
+        raise redis_errors.ConnectionError(f"no cluster node answered CLUSTER SLOTS: {last}")
+
+    def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+        for node in self._nodes.values():
+            node.close()
+        self._nodes.clear()
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    """A future whose failure may go unread (asyncio would log it as never retrieved)."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _pause(attempt: int) -> float:
+    """A short, growing pause before going again (a migration or failover in progress)."""
+    return min(0.1, 0.002 * (2 ** min(attempt, 6)))
+
+
+# -- one connection ----------------------------------------------------------------------
+
+
+class _Fanout:
+    """The waiting entry of a write's confirmation: its one reply goes to the future
+    of each call of that write (each caller awaits its own, so one giving up
+    cancels nothing for the others), and lets the connection write again."""
+
+    __slots__ = ("connection", "futures")
+
+    def __init__(self, connection: _Connection) -> None:
+        self.futures: list[asyncio.Future[Any]] = []
+        self.connection = connection
+
+    def done(self) -> bool:
+        return False  # its reply must reach set_result even if every caller gave up
+
+    def set_result(self, reply: Any) -> None:
+        for f in self.futures:
+            if not f.done():
+                f.set_result(reply)
+        self.connection._confirmed()
+
+    def set_exception(self, error: BaseException) -> None:
+        for f in self.futures:
+            if not f.done():
+                f.set_exception(error)
+
+
 class _Connection(asyncio.Protocol):
     """One socket: a write per event-loop turn, replies dispatched as they arrive."""
 
@@ -155,8 +590,16 @@ class _Connection(asyncio.Protocol):
         )
         # One entry per command sent or about to be, oldest first: its future and
         # the loop time by which its reply is due.
-        self._waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
+        self._waiting: collections.deque[tuple[Any, float]] = collections.deque()
         self._out: list[bytes] = []
+        # This turn's confirmation (durability): its command and who waits for it.
+        self._confirm: tuple[bytes, _Fanout] | None = None
+        # A confirmation is on its way: what comes meanwhile is held, and written
+        # with one confirmation of its own once it is back (group commit). Sent at
+        # once, it would wait behind the blocked WAIT on the server anyway, and
+        # Redis 7.0 answers a WAIT queued behind another one only on its next cron
+        # tick (up to 100 ms each, measured).
+        self._confirming = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -167,17 +610,54 @@ class _Connection(asyncio.Protocol):
             future.set_exception(redis_errors.ConnectionError("connection to Redis lost"))
             return future
         self._waiting.append((future, self._loop.time() + self.timeout))
-        if not self._out:
+        if not self._out and not self._confirming:
             self._loop.call_soon(self._write)
         self._out.append(command)
         if self._watchdog is None:
             self._watchdog = self._loop.call_later(self.timeout, self._check_late)
         return future
 
+    def send_confirmed(
+        self, command: bytes, confirm: bytes
+    ) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+        """``send``, and ``confirm`` once at the end of this turn's write: the second
+        future gets its reply, which covers every write before it."""
+        future = self.send(command)
+        return future, self.confirm(confirm)
+
+    def confirm(self, confirm: bytes) -> asyncio.Future[Any]:
+        """``confirm`` once at the end of this turn's write, for every caller of the
+        turn: the future gets its reply, which covers every write before it."""
+        confirmed = self._loop.create_future()
+        if self.closed:
+            confirmed.set_exception(redis_errors.ConnectionError("connection to Redis lost"))
+            return confirmed
+        if self._confirm is None:
+            self._confirm = (confirm, _Fanout(self))
+            if not self._out and not self._confirming:
+                self._loop.call_soon(self._write)
+        self._confirm[1].futures.append(confirmed)
+        return confirmed
+
     def _write(self) -> None:
+        if self._confirming or not (self._out or self._confirm):
+            return
         out, self._out = self._out, []
+        if self._confirm is not None:
+            # Last in the write, so its reply comes after every reply of the write.
+            command, fanout = self._confirm
+            self._confirm = None
+            self._confirming = True
+            out.append(command)
+            self._waiting.append((fanout, self._loop.time() + self.timeout))
         if self._transport is not None and not self.closed:
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _confirmed(self) -> None:
+        # The confirmation is back: what was held goes out now, as one write.
+        self._confirming = False
+        if self._out or self._confirm:
+            self._loop.call_soon(self._write)
 
     # -- asyncio.Protocol ------------------------------------------------------------
 
@@ -231,6 +711,9 @@ class _Connection(asyncio.Protocol):
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._confirm is not None:  # queued, never written
+            self._confirm[1].set_exception(error)
+            self._confirm = None
         while self._waiting:
             future, _ = self._waiting.popleft()
             if not future.done():

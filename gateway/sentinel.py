@@ -9,24 +9,34 @@ without a colon, is a password too. Options: ``sentinel_password`` and
 ``sentinel_username`` when the sentinels themselves ask for a password
 (``requirepass`` in sentinel.conf).
 
-The client asks the sentinels for the current primary whenever it connects, so
-after a failover its next connection goes to the promoted replica: no restart.
-A connection still open to a primary that was demoted gets READONLY, which
-drops that connection (redis-py's Sentinel support does so), so its call fails
-as "unreachable", the caller answers 503, and the retry connects anew.
+The client (redis-py's Sentinel support, for the CLI, the API and MCP) and the
+listener's pipelined connection (``FollowingPipeline``) ask the sentinels for
+the current primary whenever they connect, so after a failover their next
+connection goes to the promoted replica: no restart. A connection still open to
+a primary that was demoted gets READONLY, which drops that connection; the call
+fails (503: nothing was written) and the retry connects anew. TLS to the
+sentinels or the data nodes is not supported yet (the scheme has no ``rediss``
+form).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
+from redis import exceptions as redis_errors
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from gateway.pipeline import Pipeline
+
+if TYPE_CHECKING:
+    from gateway.config import Durability
 
 SENTINEL_SCHEME = "redis+sentinel"
 DEFAULT_SENTINEL_PORT = 26379
@@ -150,13 +160,48 @@ def sentinel_client(url: str, timeout: float, *, max_connections: int) -> Redis:
 Address = dict[str, Any]
 
 
-def primary_resolver(redis: Redis) -> Callable[[], Awaitable[Address]] | None:
+class FollowingPipeline(Pipeline):
+    """The listener's pipelined connection (gateway/pipeline.py) under Sentinel: it
+    asks the sentinels for the primary on every (re)connect, and a READONLY reply (a
+    primary that was demoted while this connection stayed open) drops the
+    connection, so the next call connects to the new primary. The READONLY call
+    itself fails (503: it wrote nothing, the sender's retry is decided afresh)."""
+
+    async def send(self, command: bytes, **options: Any) -> Any:
+        sent_on = self._conn
+        if sent_on is None or sent_on.closed:
+            sent_on = await self._connect()  # the one super().send uses: no await between
+        reply = await super().send(command, **options)
+        if isinstance(reply, redis_errors.ReadOnlyError):
+            # Only the connection it came from: another caller may have replaced it
+            # already, and a fresh connection must not be dropped for an old reply.
+            if self._conn is sent_on:
+                self._conn = None
+            sent_on.close()
+        return reply
+
+
+def sentinel_pipeline(
+    redis: Redis | RedisCluster, timeout: float, durability: Durability | None
+) -> FollowingPipeline | None:
+    """A ``FollowingPipeline`` for a client made by ``sentinel_client``; None for
+    any other client, or a kind of connection the pipeline does not speak (TLS)."""
+    resolver = primary_resolver(redis)
+    if resolver is None:
+        return None
+    pipeline = FollowingPipeline.for_client(
+        redis, timeout, durability=durability, resolver=resolver
+    )
+    return pipeline if isinstance(pipeline, FollowingPipeline) else None
+
+
+def primary_resolver(redis: Redis | RedisCluster) -> Callable[[], Awaitable[Address]] | None:
     """For a client made by ``sentinel_client``: an async function that asks the
     sentinels for the current primary and answers its address as redis-py's
     connection kwargs (host, port, db, username, password), for a connection of
     the store's own (gateway/pipeline.py) to call on every (re)connect. None for
     any other client."""
-    pool = redis.connection_pool
+    pool = getattr(redis, "connection_pool", None)  # a cluster client has none
     if not isinstance(pool, SentinelConnectionPool):
         return None
     kwargs = pool.connection_kwargs

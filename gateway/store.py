@@ -25,7 +25,7 @@ from gateway.cluster_client import ping_every_primary
 from gateway.config import Config
 from gateway.errors import ConfigError, RealmError, StoreUnavailable
 from gateway.keys import Keys, partition_keys, partition_of, partition_of_run, run_id_in
-from gateway.pipeline import Pipeline
+from gateway.pipeline import confirmed_script, script_pipeline
 from gateway.policy import Decision, KeyState, decide
 from gateway.runs import (
     MAX_BATCH_ITEMS,
@@ -50,6 +50,7 @@ from gateway.runs import (
     text_of,
 )
 from gateway.scripts import Scripts
+from gateway.sentinel import sentinel_pipeline
 
 # Script calls one start may make: each `need_run` reply names a run the next call
 # must pass, and a concurrent start on the same key can move it again in between.
@@ -90,7 +91,15 @@ class RunStore:
         self.prefix = config.settings.key_prefix
         self.timeout = config.settings.redis_timeout if timeout is None else timeout
         self.scripts = Scripts(redis)
-        self._pipeline = Pipeline.for_client(redis, self.timeout) if pipelined else None
+        # settings.durability: a mutating script counts only once its writes are
+        # confirmed on replicas (gateway/pipeline.py). A cluster's scripts then always
+        # go through the pipeline (redis-py would send WAIT to every node).
+        self._durability = config.settings.durability
+        self._pipeline = script_pipeline(redis, self.timeout, pipelined, self._durability)
+        if pipelined and self._pipeline is None:
+            # Under Sentinel: a pipeline that asks the sentinels for the primary on
+            # every (re)connect and leaves a demoted one (gateway/sentinel.py).
+            self._pipeline = sentinel_pipeline(redis, self.timeout, self._durability)
         self._keys = {
             name: partition_keys(self.prefix, name, wf.partitions)
             for name, wf in config.workflows.items()
@@ -358,7 +367,7 @@ class RunStore:
                                     keys.run(named[i]) if i in named else run_key]  # fmt: skip
                 argv += [ids[i], key or "", params_json, fingerprint, named.get(i, "")]
             reply = await self._retrying(
-                lambda k=script_keys, a=argv: self.scripts.start_batch(k, a)
+                lambda k=script_keys, a=argv: self._run_script(self.scripts.start_batch, k, a)
             )
             if reply[0] != b"need_run":
                 return reply
@@ -523,7 +532,9 @@ class RunStore:
         script_keys = [keys.run(run_id), keys.stream(), op, *self._key_keys(keys, run)]
         async with self.deadline():
             reply = await self._retrying(
-                lambda: self.scripts.complete_step(script_keys, [run_id, step, wf.retention_ms])
+                lambda: self._run_script(
+                    self.scripts.complete_step, script_keys, [run_id, step, wf.retention_ms]
+                )
             )
         outcome, phase, current = (text_of(x) for x in reply)
         if outcome == "not_found":
@@ -567,7 +578,8 @@ class RunStore:
                     return 0
                 expected = text_of(run_id)
                 reply = await self._retrying(
-                    lambda expected=expected: self.scripts.cancel_key(
+                    lambda expected=expected: self._run_script(
+                        self.scripts.cancel_key,
                         [pointer, keys.key_runs(key), keys.run(expected), op],
                         [expected, wf.retention_ms],
                     )
@@ -639,7 +651,9 @@ class RunStore:
         script_keys = [keys.run(run_id), keys.op(_op_id(op_id)), *self._key_keys(keys, run)]
         async with self.deadline():
             reply = await self._retrying(
-                lambda: self.scripts.end_run(script_keys, [run_id, phase, wf.retention_ms, error])
+                lambda: self._run_script(
+                    self.scripts.end_run, script_keys, [run_id, phase, wf.retention_ms, error]
+                )
             )
         outcome, final = text_of(reply[0]), text_of(reply[1])
         if outcome == "not_found":
@@ -649,6 +663,8 @@ class RunStore:
     async def _run_script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
         if self._pipeline is not None:
             return await self._pipeline.evalsha(script, keys, args)
+        if self._durability is not None:
+            return await confirmed_script(self.redis, script, keys, args, self._durability)
         return await script(keys, args)
 
     async def _hgetall_many(self, names: list[str]) -> list[dict[bytes, bytes]]:

@@ -121,9 +121,10 @@ def cluster_db(cluster: Cluster) -> Iterator[redis_sync.RedisCluster]:
 
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelDeployment]:
-    """A private primary, one replica and 3 sentinels shared by one test module
-    (tests/sentinel.py). Tests use ``sentinel_db`` too, which makes it whole and empty."""
-    started = SentinelDeployment(tmp_path_factory.mktemp("sentinel")).start()
+    """A private primary, two replicas and 3 sentinels shared by one test module
+    (tests/sentinel.py). Tests use ``sentinel_db`` too, which makes it whole and empty.
+    Two replicas: after a failover the new primary still has one (durability)."""
+    started = SentinelDeployment(tmp_path_factory.mktemp("sentinel"), replicas=2).start()
     yield started
     started.stop()
 

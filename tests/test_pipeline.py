@@ -157,3 +157,30 @@ async def test_a_store_on_a_dead_server_answers_store_unavailable(
 def test_tls_connections_are_left_to_redis_py() -> None:
     client = Redis.from_url("rediss://127.0.0.1:6380/0")
     assert Pipeline.for_client(client, 1.0) is None
+
+
+async def test_the_resolver_is_asked_on_every_connect(start_redis) -> None:
+    """Where a pipeline connects can move (Sentinel): each (re)connect asks again."""
+    first, second = start_redis(), start_redis()
+    where = [first]
+    asked = 0
+
+    async def resolve() -> dict[str, object]:
+        nonlocal asked
+        asked += 1
+        return {"host": "127.0.0.1", "port": where[0].port}
+
+    pipeline = Pipeline({"host": "127.0.0.1", "port": 1}, 2.0, 2.0, resolver=resolve)
+    try:
+        assert await pipeline.execute(b"SET", "on", "first") == b"OK"
+        where[0] = second
+        first.kill()
+        with pytest.raises(redis_errors.ConnectionError):
+            await pipeline.execute(b"GET", "on")  # the old connection drops
+        assert await pipeline.execute(b"SET", "on", "second") == b"OK"
+        assert asked == 2
+        check = Redis.from_url(second.url)
+        assert await check.get("on") == b"second"
+        await check.aclose()
+    finally:
+        pipeline.close()

@@ -1,0 +1,367 @@
+"""Everything but the listener's claims, on a real Redis Cluster (3 primaries, 3 replicas):
+the store's calls, reconcile over every primary, the CLI, the admin API and /readyz
+through a failover, and 503 (never 500) while the cluster is changing."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as redis_sync
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from gateway.config import Config, parse_config
+from gateway.connection import BadRedisUrl, check_redis_url, redact_url, redis_client
+from gateway.errors import StoreUnavailable
+from gateway.reconcile import count_runs, reconcile
+from gateway.store import RunStore
+from gateway.sweep import sweep
+from tests.cluster import Cluster, ClusterNode, key_slot
+from tests.conftest import WORKFLOWS_YAML
+from tests.listener import Listener
+from tests.test_cli import UUID, realm
+from tests.test_mcp import ROOT, Tools
+
+# sync's tag is served by the third primary, orders' by the first, ingest's by the
+# second (slots 11216, 4717 and 6549 of the 3 equal ranges the cluster starts with).
+YAML = (
+    WORKFLOWS_YAML
+    + """  orders:
+    steps: [charge, ship]
+  ingest:
+    steps: [pull, store]
+  hot:
+    steps: [go]
+    partitions: 4
+"""
+)
+SPREAD = ("sync", "orders", "ingest")
+TOKEN = "cluster-api-token-5d1c"
+
+
+def tag_slot(workflow: str) -> int:
+    return key_slot(f"realm:{{{workflow}}}:runs".encode())
+
+
+@pytest.fixture
+def cluster_config() -> Config:
+    return parse_config(YAML, file="test.yaml", with_triggers=False)
+
+
+@pytest.fixture
+async def cluster_store(
+    cluster: Cluster, cluster_db: redis_sync.RedisCluster, cluster_config: Config
+) -> AsyncIterator[RunStore]:
+    client = redis_client(cluster.seeds_url, 5.0)
+    store = RunStore(client, cluster_config, timeout=5.0)
+    yield store
+    await client.aclose()
+
+
+def owner(cluster: Cluster, workflow: str) -> ClusterNode:
+    return cluster.primary_for_slot(tag_slot(workflow))
+
+
+# -- the URL ---------------------------------------------------------------------------
+
+
+def test_cluster_urls_are_checked_and_redacted() -> None:
+    good = "redis+cluster://user:s3cret@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002?socket_connect_timeout=2"
+    assert check_redis_url(good) == good
+    assert redact_url(good) == (
+        "redis+cluster://user:***@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002?socket_connect_timeout=2"
+    )
+    assert redact_url("rediss+cluster://:pw@h:1?password=pw2") == (
+        "rediss+cluster://:***@h:1?password=***"
+    )
+    for url, says in [
+        ("redis+cluster://:s3cret@h:1,,h:2", "a seed address is empty"),
+        ("redis+cluster://:s3cret@h:99999", "the port must be 1-65535"),
+        ("redis+cluster://:s3cret@h:1/3", "a cluster has one database, 0"),
+        ("redis+cluster://:s3cret@h:1?nonsense=1", "unknown option 'nonsense'"),
+        ("redis+cluster://:s3cret@h:1?ssl=true", "name the cluster rediss+cluster://"),
+    ]:
+        with pytest.raises(BadRedisUrl, match=re.escape(says)) as caught:
+            check_redis_url(url)
+        assert "s3cret" not in str(caught.value) and "***" in str(caught.value)
+
+
+def test_a_cluster_url_gives_a_cluster_client_with_its_seeds_and_password() -> None:
+    client = redis_client("rediss+cluster://u:pw@a:7000,b?ssl_cert_reqs=none", 2.0)
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.connection import SSLConnection
+
+    assert isinstance(client, RedisCluster)
+    assert [n.name for n in client.startup_nodes] == ["a:7000", "b:6379"]
+    kwargs = client.connection_kwargs
+    assert (kwargs["username"], kwargs["password"]) == ("u", "pw")
+    assert kwargs["connection_class"] is SSLConnection
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (None, 2.0)
+    assert client.retry.get_retries() == 0
+
+
+# -- the store -------------------------------------------------------------------------
+
+
+async def test_every_store_call_works_on_a_cluster(
+    cluster: Cluster, cluster_store: RunStore
+) -> None:
+    assert len({owner(cluster, w).node_id for w in SPREAD}) == 3
+    await cluster_store.load_scripts()
+    await cluster_store.ping()
+    # Loaded on every primary: a call by SHA finds its script wherever its slot is.
+    sha = cluster_store.scripts.start_run.sha
+    assert [p.call("SCRIPT", "EXISTS", sha) for p in cluster.primaries()] == [[1]] * 3
+    started = {w: await cluster_store.start_run(w, {}, f"key-{w}") for w in SPREAD}
+    for w, result in started.items():
+        again = await cluster_store.start_run(w, {}, f"key-{w}")
+        assert (again.deduped, again.run_id) == (True, result.run_id)
+        # The run lives on the primary of its workflow's slot.
+        assert owner(cluster, w).call("HGET", f"realm:{{{w}}}:run:{result.run_id}", "phase") == (
+            "running"
+        )
+        assert (await cluster_store.get_run(result.run_id)).workflow == w
+
+    batch = await cluster_store.start_run_batch(
+        "orders", [{"idempotency_key": "a"}, {"idempotency_key": "b"}, {"idempotency_key": "a"}]
+    )
+    assert [e.result.deduped for e in batch if e.result] == [False, False, True]
+    runs, cursor = await cluster_store.list_runs("orders")
+    assert cursor is None and len(runs) == 3
+
+    sync_run = started["sync"].run_id
+    assert (await cluster_store.complete_step(sync_run, "fetch")).next_step == "transform"
+    assert (await cluster_store.fail_run(sync_run, "boom")).phase == "failed"
+    assert await cluster_store.cancel_run(sync_run) == 0
+    assert await cluster_store.cancel_run(started["ingest"].run_id) == 1
+    assert await cluster_store.cancel_key("orders", "a") == 1
+    assert await count_runs(cluster_store) == 5
+    for w in SPREAD:
+        report = await sweep(cluster_store, w)
+        assert report.calls >= 1
+
+
+async def test_reconcile_walks_every_primary(
+    cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
+) -> None:
+    ids = {w: (await cluster_store.start_run(w, {}, "k")).run_id for w in SPREAD}
+    # A pointer lost on each primary: only a walk of every primary finds all three.
+    for w in SPREAD:
+        cluster_db.delete(f"realm:{{{w}}}:key:k")
+    checked = await reconcile(cluster_store, dry_run=True)
+    assert (checked.groups, checked.missing) == (3, 3)
+    repaired = await reconcile(cluster_store, dry_run=False)
+    assert repaired.written == 3
+    for w in SPREAD:
+        assert cluster_db.hget(f"realm:{{{w}}}:key:k", "run") == ids[w]
+    assert (await reconcile(cluster_store, dry_run=True)).current == 3
+
+
+async def test_reconcile_walks_every_partition_on_every_primary(
+    cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
+) -> None:
+    keys = [f"key-{i}" for i in range(12)]
+    ids = {k: (await cluster_store.start_run("hot", {}, k)).run_id for k in keys}
+    pointers = {k: cluster_store.keys_for_key("hot", k).pointer(k) for k in keys}
+    homes = {cluster.primary_for_key(p).node_id for p in pointers.values()}
+    assert len(homes) >= 2  # the partitions' tags are spread over the primaries
+    for pointer in pointers.values():
+        cluster_db.delete(pointer)
+    assert (await reconcile(cluster_store, workflow="hot", dry_run=True)).missing == 12
+    assert (await reconcile(cluster_store, workflow="hot", dry_run=False)).written == 12
+    assert {k: cluster_db.hget(p, "run") for k, p in pointers.items()} == ids
+    assert await count_runs(cluster_store, "hot") == 12
+
+
+async def test_a_half_migrated_slot_is_503_then_works_once_moved(
+    cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
+) -> None:
+    """A script whose keys are split between two nodes gets TRYAGAIN until the slot
+    has moved: the store says 503 (retry), never 500, and writes nothing."""
+    first = await cluster_store.start_run("orders", {}, "k1")
+    slot = tag_slot("orders")
+    source = cluster.primary_for_slot(slot)
+    target = next(n for n in cluster.primaries() if n is not source)
+    cluster.begin_migration(slot, target)
+    try:
+        # Only the run index moves: a start names it and the stream, now apart.
+        source.call("MIGRATE", "127.0.0.1", target.port, "realm:{orders}:runs", 0, 5000)
+        with pytest.raises(StoreUnavailable, match="the cluster is not ready"):
+            await cluster_store.start_run("orders", {}, "k2")
+        while cluster.move_keys(slot, source, target):
+            pass
+        cluster.finish_migration(slot, source, target)
+        second = await cluster_store.start_run("orders", {}, "k2")
+        repeat = await cluster_store.start_run("orders", {}, "k1")
+        assert (repeat.deduped, repeat.run_id) == (True, first.run_id)
+        runs, _ = await cluster_store.list_runs("orders")
+        assert [r.id for r in runs] == [second.run_id, first.run_id]
+    finally:
+        if cluster.primary_for_slot(slot) is not source:
+            cluster.migrate_slot(slot, source)
+
+
+async def test_a_slot_no_node_serves_is_503(cluster: Cluster, cluster_store: RunStore) -> None:
+    await cluster_store.start_run("ingest", {}, "k")
+    node = owner(cluster, "ingest")
+    slot = tag_slot("ingest")
+    node.call("CLUSTER", "DELSLOTS", slot)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await cluster_store.start_run("ingest", {}, "k2")
+        with pytest.raises(StoreUnavailable):
+            await cluster_store.list_runs("ingest")
+    finally:
+        node.call("CLUSTER", "ADDSLOTS", slot)
+    cluster.wait_ok()
+    assert (await cluster_store.start_run("ingest", {}, "k")).deduped
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(
+    tmp_path: Path, cluster: Cluster, cluster_db: redis_sync.RedisCluster
+) -> Iterator[callable]:
+    (tmp_path / "triggers.yaml").write_text(YAML)
+
+    def run(*args: str):
+        return realm(*args, "--redis-url", cluster.seeds_url, cwd=tmp_path)
+
+    yield run
+
+
+def test_the_cli_on_a_cluster(cli, cluster: Cluster) -> None:
+    started = cli("run", "start", "orders", "--key", "order-1")
+    assert started.returncode == 0, started.stderr
+    run_id = re.search(rf"run_id: ({UUID})", started.stdout).group(1)
+    assert f"using Redis at {cluster.seeds_url}" in started.stderr
+    again = cli("run", "start", "orders", "--key", "order-1", "--json")
+    assert json.loads(again.stdout)["run_id"] == run_id
+    other = json.loads(cli("run", "start", "sync", "--key", "s", "--json").stdout)["run_id"]
+
+    shown = cli("run", "show", run_id, "--json")
+    assert json.loads(shown.stdout)["workflow"] == "orders"
+    listed = json.loads(cli("run", "list", "--workflow", "orders", "--json").stdout)
+    assert [r["run_id"] for r in listed["runs"]] == [run_id]
+    cancelled = cli("run", "cancel", run_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cli("run", "show", run_id, "--json").stdout)["phase"] == "cancelled"
+
+    report = cli("run", "reconcile", "--dry-run")
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.startswith(
+        "Would write 0 pointer(s) across 2 key group(s); 2 already current."
+    )
+    assert other in cli("run", "show", other).stdout
+
+
+def test_the_cli_says_a_bad_cluster_url_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "triggers.yaml").write_text(YAML)
+    out = realm("run", "list", "--workflow", "sync", "--redis-url",
+                "redis+cluster://:hunter22@127.0.0.1:7000,,x", cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2
+    assert "hunter22" not in out.stderr and "Traceback" not in out.stderr
+    assert "a seed address is empty" in out.stderr
+
+
+async def test_the_mcp_tools_on_a_cluster(
+    tmp_path: Path, cluster: Cluster, cluster_db: redis_sync.RedisCluster
+) -> None:
+    (tmp_path / "triggers.yaml").write_text(YAML)
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "gateway", "mcp", "--config", str(tmp_path / "triggers.yaml"),
+              "--redis-url", cluster.seeds_url],
+        cwd=ROOT,
+    )  # fmt: skip
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        tools = Tools(session)
+        run_id = await tools.start(workflow_id="orders", params={}, idempotency_key="k")
+        assert await tools.start(workflow_id="orders", params={}, idempotency_key="k") == run_id
+        assert "Phase: running" in await tools.ok("get_run", run_id=run_id)
+        assert run_id in await tools.ok("list_runs", workflow_id="orders")
+        await tools.ok("cancel_run", run_id=run_id)
+    assert cluster_db.hget(f"realm:{{orders}}:run:{run_id}", "phase") == "cancelled"
+
+
+# -- a listener: the admin API and /readyz through a failover ---------------------------
+
+
+@pytest.fixture
+def listener(tmp_path: Path, cluster: Cluster, cluster_db: redis_sync.RedisCluster):
+    listener = Listener(
+        tmp_path, YAML, redis_url=cluster.seeds_url, env={"REALM_API_TOKEN": TOKEN}
+    ).start()
+    yield listener
+    listener.stop()
+
+
+def _api(listener: Listener) -> httpx.Client:
+    return httpx.Client(
+        base_url=listener.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    )
+
+
+def test_the_admin_api_on_a_cluster(listener: Listener) -> None:
+    with _api(listener) as api:
+        assert api.get("/readyz").status_code == 200
+        ids = {}
+        for w in SPREAD:
+            reply = api.post(f"/v1/workflows/{w}/runs", json={"idempotency_key": "k"})
+            assert reply.status_code == 202, reply.text
+            ids[w] = reply.json()["run_id"]
+            again = api.post(f"/v1/workflows/{w}/runs", json={"idempotency_key": "k"})
+            assert (again.status_code, again.json()["run_id"]) == (200, ids[w])
+        got = api.get(f"/v1/runs/{ids['ingest']}")
+        assert (got.status_code, got.json()["workflow"]) == (200, "ingest")
+        page = api.get("/v1/workflows/orders/runs").json()
+        assert [r["run_id"] for r in page["runs"]] == [ids["orders"]]
+        batch = api.post("/v1/workflows/sync/batch", json={"items": [{"idempotency_key": "b"}]})
+        assert batch.status_code == 200, batch.text
+        assert api.post(f"/v1/runs/{ids['sync']}/cancel").json() == {"cancelled": 1}
+        report = api.post("/v1/reconcile", json={"dry_run": True})
+        assert report.status_code == 200
+        assert report.json()["groups"] == 4
+
+
+def _status_within(api: httpx.Client, path: str, want: int, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    status = 0
+    while time.monotonic() < deadline:
+        status = api.get(path).status_code
+        if status == want:
+            return status
+        time.sleep(0.1)
+    return status
+
+
+@pytest.mark.slow
+def test_readyz_is_503_while_a_primary_is_down_and_200_once_its_replica_took_over(
+    listener: Listener, cluster: Cluster
+) -> None:
+    with _api(listener) as api:
+        assert api.get("/readyz").status_code == 200
+        started = api.post("/v1/workflows/orders/runs", json={"idempotency_key": "k"})
+        assert started.status_code == 202
+        victim = owner(cluster, "orders")
+        victim.call("WAIT", 1, 5000)
+        cluster.kill(victim)
+        down = api.get("/readyz")
+        assert down.status_code == 503
+        assert down.json()["code"] == "STORE_UNAVAILABLE"
+        # Calls on the dead primary's slots are 503 too, never 500.
+        assert api.get(f"/v1/runs/{started.json()['run_id']}").status_code in (200, 503)
+        cluster.wait_promoted(victim)
+        assert _status_within(api, "/readyz", 200, 10) == 200
+        again = api.post("/v1/workflows/orders/runs", json={"idempotency_key": "k"})
+        assert (again.status_code, again.json()["run_id"]) == (200, started.json()["run_id"])
+    assert "Traceback" not in listener.log()
