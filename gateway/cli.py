@@ -92,11 +92,16 @@ def with_store(
     redis_url: str | None,
     data_dir: str,
     work: Callable[[RunStore], Awaitable[T]],
+    *,
+    starts: bool = False,
 ) -> T:
     """Load the workflows, open the store (embedded or not), run ``work`` on it.
 
     Config errors and an unreachable store end the command with a clear
-    message and their exit code; coded errors reach the caller.
+    message and their exit code; coded errors reach the caller. Every command
+    checks the workflows' partitions against the store's record; ``starts`` (a
+    command that starts runs) also records them the first time, so a command that
+    only reads, or a dry run, writes nothing.
     """
     config = _load_config(config_path, with_triggers=False)
     try:
@@ -107,7 +112,7 @@ def with_store(
                 client = redis_client(target.url, config.settings.redis_timeout)
                 try:
                     store = RunStore(client, config)
-                    await store.check_layout()
+                    await store.check_layout(record=starts)
                     return await work(store)
                 finally:
                     await client.aclose()
@@ -241,6 +246,7 @@ def run_start(
         config_path, redis_url, data_dir,
         lambda store: store.start_run(workflow, params, key, on_live_match, on_terminal_match,
                                       on_params_mismatch, request_id=request_id),
+        starts=True,
     )  # fmt: skip
     _emit(as_json, replies.start_text(result), replies.start_json(result))
 
@@ -600,6 +606,7 @@ def run_batch(
             lambda store: store.start_run_batch(workflow, items, on_live_match,
                                                 on_terminal_match, on_params_mismatch,
                                                 batch_id=given),
+            starts=True,
         )  # fmt: skip
     except StoreUnavailable as exc:
         # The outcome is unknown: name the batch, for the retry.

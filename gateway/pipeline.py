@@ -193,7 +193,17 @@ class Pipeline:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open())
             self._connecting.add_done_callback(self._connected)
-        return await asyncio.shield(self._connecting)
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            # The connect itself was cancelled (close(): a node left the cluster map),
+            # not this caller: that is a connection failure (503), not a cancel for the
+            # caller to pass on (which made the delivery a 500).
+            task = asyncio.current_task()
+            if connecting.cancelled() and task is not None and not task.cancelling():
+                raise NotConnected("the connection was closed while it was being made") from None
+            raise
 
     def _connected(self, connecting: asyncio.Future[_Connection]) -> None:
         # Runs before the waiting callers resume, and also when none is left.

@@ -591,11 +591,13 @@ class RunStore:
             f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
         )
 
-    async def check_layout(self) -> None:
+    async def check_layout(self, *, record: bool = True) -> None:
         """Refuse a ``partitions`` that differs from the one the workflow's data is stored
         with (ConfigError): its keys would be looked for under other hash tags, and
         every promise about them lost. There is no migration: change N on an empty
-        workflow, or under a new workflow name. The first use records N."""
+        workflow, or under a new workflow name. With ``record`` (the listener, a CLI
+        command that starts runs) the first use records N; without, nothing is
+        written (a dry run, a read)."""
         async with self.deadline():
             for name, wf in self.config.workflows.items():
                 meta = Keys(self.prefix, name).meta()
@@ -606,7 +608,7 @@ class RunStore:
                         old = Keys(self.prefix, name).runs()
                         if await self._retrying(lambda k=old: self.redis.exists(k)):
                             stored = b"1"
-                    if stored is None:
+                    if stored is None and record:
                         await self._retrying(
                             lambda m=meta, n=wf.partitions: self.redis.hsetnx(m, "partitions", n)
                         )

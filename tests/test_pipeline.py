@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
+import redis as redis_sync
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
@@ -184,3 +185,23 @@ async def test_the_resolver_is_asked_on_every_connect(start_redis) -> None:
         await check.aclose()
     finally:
         pipeline.close()
+
+
+async def test_a_connect_closed_under_its_callers_is_a_connection_error(start_redis) -> None:
+    """close() while callers wait for a connection being made (a node that left a
+    cluster's map): each caller gets a connection error (503), not a CancelledError,
+    which escaped as a 500 during a cluster failover."""
+    server = start_redis()
+    with redis_sync.Redis(port=server.port) as admin:
+        admin.config_set("requirepass", "pw")
+    server.pause()  # the connect succeeds (the kernel accepts); AUTH waits for a reply
+    pipeline = Pipeline({"host": "127.0.0.1", "port": server.port, "password": "pw"}, 5.0, 5.0)
+    try:
+        callers = [asyncio.ensure_future(pipeline.execute(b"PING")) for _ in range(5)]
+        while pipeline._connecting is None:  # the connect has begun
+            await asyncio.sleep(0)
+        pipeline.close()
+        results = await asyncio.gather(*callers, return_exceptions=True)
+    finally:
+        server.resume()
+    assert all(isinstance(r, redis_errors.ConnectionError) for r in results), results
