@@ -17,16 +17,17 @@ its calls with ``TimeoutError``. The next call connects again.
 Where it connects is looked up on every (re)connect when a ``resolver`` is given
 (Sentinel: the primary promoted after a failover is found again).
 
-With ``durability`` (``settings.durability``), each write that carries a claim ends
-with one ``WAIT`` (or ``WAITAOF``) on the same connection, and each claim of that
-write succeeds only when it confirms enough replicas (group commit: one
-replication round trip for the whole write, however many claims it carries; a
-``WAIT`` after each claim would cost one round trip each, since a blocked client's
-next command waits for it). Not confirmed in time: ``StoreUnavailable`` (503).
+With ``durability`` (``settings.durability``, gateway/durability.py), each write
+that carries a claim ends with one ``WAIT`` (or ``WAITAOF``) on the same connection,
+and each claim of that write succeeds only when it confirms enough replicas (group
+commit: one replication round trip for the whole write, however many claims it
+carries; a ``WAIT`` after each claim would cost one round trip each, since a
+blocked client's next command waits for it). Not confirmed in time:
+``StoreUnavailable`` (503).
 
 On Redis Cluster (``for_client`` given a ``RedisCluster``), ``ClusterPipeline``
-keeps one such connection per primary and routes each call by its hash slot,
-following ``MOVED`` and ``ASK``.
+(gateway/cluster_pipeline.py) keeps one such connection per primary and routes each
+call by its hash slot, following ``MOVED`` and ``ASK``.
 
 Plain TCP and unix sockets only; for other connections (TLS) ``for_client``
 returns None and the store calls through redis-py.
@@ -37,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,12 +48,11 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.commands.core import AsyncScript
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from gateway import metrics
-from gateway.errors import StoreUnavailable
+from gateway.durability import FSYNC_SLICE, check_confirmed, confirm_command, is_confirmed
 
 if TYPE_CHECKING:
+    from gateway.cluster_pipeline import ClusterPipeline
     from gateway.config import Durability
 
 log = logging.getLogger("realm")
@@ -112,6 +111,8 @@ class Pipeline:
         cluster client), or None if its kind of connection is not one this module
         speaks (TLS, say)."""
         if isinstance(redis, RedisCluster):
+            from gateway.cluster_pipeline import ClusterPipeline  # it builds on this module
+
             return ClusterPipeline.for_client(redis, timeout, durability=durability)
         pool = redis.connection_pool
         kind = pool.connection_class
@@ -273,288 +274,9 @@ def script_pipeline(
     return None
 
 
-# -- durability ------------------------------------------------------------------------
-
-
-# WAITAOF is sent in slices of at most this long, again until the whole timeout: each
-# one makes the primary ask its replicas afresh. A replica answers the primary's ask
-# with the offset it has fsynced so far, and one that read the writes and the ask
-# together has not fsynced them yet; unasked, it tells only once a second.
-FSYNC_SLICE = 0.005
-
-
-def confirm_command(durability: Durability) -> bytes:
-    """The command that confirms a write's writes: ``WAITAOF 1 N ms`` with fsync (it
-    implies the replicas have the writes too; one slice of the timeout, see
-    FSYNC_SLICE), else ``WAIT N ms``. Never a 0 timeout, which blocks for ever."""
-    if durability.fsync:
-        ms = max(1, round(min(durability.timeout, FSYNC_SLICE) * 1000))
-        return hiredis.pack_command((b"WAITAOF", 1, durability.replicas, ms))
-    ms = max(1, round(durability.timeout * 1000))
-    return hiredis.pack_command((b"WAIT", durability.replicas, ms))
-
-
-def is_confirmed(durability: Durability, reply: Any) -> bool:
-    if isinstance(reply, Exception):
-        return False
-    if durability.fsync:
-        local, replicas = (int(x) for x in reply)
-        return local >= 1 and replicas >= durability.replicas
-    return int(reply) >= durability.replicas
-
-
-def check_confirmed(durability: Durability, reply: Any) -> None:
-    """Raise StoreUnavailable unless ``reply`` (of ``confirm_command``) confirms
-    ``durability``: the claim ran, but it must not be acknowledged (the sender's
-    retry deduplicates onto it)."""
-    n, timeout = durability.replicas, durability.timeout
-    if isinstance(reply, Exception):
-        text = str(reply)
-        if durability.fsync and ("unknown command" in text.lower() or "WAITAOF" in text):
-            raise StoreUnavailable(
-                f"durability fsync needs WAITAOF (Redis 7.2+ or Valkey) with appendonly on "
-                f"the primary; the server said: {text}"
-            )
-        raise StoreUnavailable(f"writes not confirmed: {text}; retry")
-    if durability.fsync:
-        local, replicas = (int(x) for x in reply)
-        if local < 1 or replicas < n:
-            raise StoreUnavailable(
-                f"not fsynced on the primary and {n} replica(s) within {timeout:g} s "
-                f"(primary {local}, replicas {replicas}); retry"
-            )
-    elif int(reply) < n:
-        raise StoreUnavailable(
-            f"not confirmed on {n} replica(s) within {timeout:g} s (got {int(reply)}); retry"
-        )
-
-
-async def confirmed_script(
-    redis: Redis, script: AsyncScript, keys: list[Any], args: list[Any], durability: Durability
-) -> Any:
-    """``script`` through redis-py, then the confirmation, on one connection (a
-    redis-py pipeline without MULTI): a confirmation on another connection would
-    confirm nothing of this one's writes."""
-    if isinstance(redis, RedisCluster):
-        # redis-py sends WAIT to every node of a cluster and sums the replies; the
-        # store routes a cluster's scripts through ClusterPipeline instead.
-        raise StoreUnavailable("durability on a TLS cluster is not supported; use plain TCP")
-    confirm = ("WAITAOF", 1) if durability.fsync else ("WAIT",)
-    ms = max(1, round(durability.timeout * 1000))
-    if durability.fsync:
-        # After the reply, as in Pipeline.send (why there); on the same connection.
-        ms = max(1, round(min(durability.timeout, FSYNC_SLICE) * 1000))
-        until = time.monotonic() + durability.timeout - FSYNC_SLICE
-        async with redis.client() as one:
-            reply = await script(keys, args, client=one)
-            while True:
-                try:
-                    confirmed = await one.execute_command(*confirm, durability.replicas, ms)
-                except redis_errors.ResponseError as exc:
-                    confirmed = exc
-                if is_confirmed(durability, confirmed):
-                    return reply
-                if time.monotonic() >= until or isinstance(confirmed, Exception):
-                    check_confirmed(durability, confirmed)
-    for attempt in (1, 2):
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-            pipe.execute_command(*confirm, durability.replicas, ms)
-            reply, confirmed = await pipe.execute(raise_on_error=False)
-        if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
-            await redis.script_load(script.script)
-            continue
-        if isinstance(reply, Exception):
-            raise reply
-        check_confirmed(durability, confirmed)
-        return reply
-    raise AssertionError("unreachable")
-
-
-# -- Redis Cluster ---------------------------------------------------------------------
-
-# Redirections and retries one call may follow (the caller's deadline bounds the time).
-MAX_REDIRECTS = 64
-
-
-class ClusterPipeline:
-    """One ``Pipeline`` per primary of a Redis Cluster, each call sent to the primary
-    that owns its hash slot (the slot of its first key: all keys of a script share
-    one hash tag, DESIGN §7).
-
-    ``MOVED``: the slot has a new owner; the map takes it at once, is refreshed from
-    the cluster in the background, and the call goes again. ``ASK``: the slot is
-    being migrated and the key is already on the target; the call goes there after
-    ``ASKING``, the map unchanged. ``TRYAGAIN`` (a multi-key call while its keys are
-    split by a migration): again after a short pause. A node that refuses
-    connections: the map is refreshed and the call goes again. All of these mean
-    the command did not run, so resending it is safe. A connection dropped after
-    sending is an unknown outcome and raises (the store answers 503; its retry
-    deduplicates); the map is refreshed for the next call.
-    """
-
-    def __init__(
-        self,
-        seeds: list[tuple[str, int]],
-        credentials: Mapping[str, Any],
-        timeout: float,
-        connect_timeout: float,
-        *,
-        durability: Durability | None = None,
-    ) -> None:
-        self.seeds = list(seeds)
-        self.credentials = dict(credentials)
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.durability = durability
-        # Counters, also in /metrics (gateway/metrics.py).
-        self.moved = 0
-        self.asked = 0
-        self.tryagain = 0
-        self.refreshes = 0
-        self._slots: list[tuple[str, int] | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-        self._nodes: dict[tuple[str, int], Pipeline] = {}
-        self._refreshing: asyncio.Task[None] | None = None
-
-    @classmethod
-    def for_client(
-        cls, redis: RedisCluster, timeout: float, *, durability: Durability | None = None
-    ) -> ClusterPipeline | None:
-        kwargs = redis.get_connection_kwargs()
-        if kwargs.get("connection_class", Connection) is not Connection or kwargs.get("ssl"):
-            return None
-        seeds = [(n.host, int(n.port)) for n in redis.nodes_manager.startup_nodes.values()]
-        credentials = {k: kwargs[k] for k in ("username", "password") if kwargs.get(k)}
-        connect_timeout = kwargs.get("socket_connect_timeout") or timeout
-        return cls(seeds, credentials, timeout, connect_timeout, durability=durability)
-
-    async def evalsha(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
-        """``EVALSHA`` on the primary owning the slot of ``keys[0]``: as Pipeline.evalsha."""
-        first = keys[0]
-        slot = key_slot(first.encode() if isinstance(first, str) else first)
-        command = hiredis.pack_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
-        target: tuple[str, int] | None = None
-        asking = False
-        loaded: set[tuple[str, int]] = set()
-        for attempt in range(MAX_REDIRECTS):
-            if target is None:
-                target = await self._owner(slot)
-            node = self._node(target)
-            try:
-                reply = await node.send(command, asking=asking)
-            except NotConnected:
-                # Nothing was sent: the node is gone. Ask the others who serves the
-                # slot now (after a failover, its promoted replica) and go again.
-                await self.refresh(avoid=target)
-                target, asking = None, False
-                await asyncio.sleep(_pause(attempt))
-                continue
-            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
-                self._refresh_soon()
-                raise
-            if not isinstance(reply, redis_errors.ResponseError):
-                return reply
-            if isinstance(reply, redis_errors.MovedError):
-                self.moved += 1
-                metrics.REDIRECTIONS.labels("moved").inc()
-                target, asking = (reply.host, reply.port), False
-                self._slots[slot] = target
-                self._refresh_soon()
-            elif isinstance(reply, redis_errors.AskError):
-                self.asked += 1
-                metrics.REDIRECTIONS.labels("ask").inc()
-                target, asking = (reply.host, reply.port), True
-            elif isinstance(reply, redis_errors.TryAgainError):
-                self.tryagain += 1
-                metrics.REDIRECTIONS.labels("tryagain").inc()
-                target, asking = None, False
-                await asyncio.sleep(_pause(attempt))
-            elif isinstance(reply, redis_errors.NoScriptError) and target not in loaded:
-                loaded.add(target)
-                await node.execute(b"SCRIPT", b"LOAD", script.script)
-            else:
-                raise reply
-        raise StoreUnavailable(f"slot {slot} kept moving ({MAX_REDIRECTS} redirections); retry")
-
-    async def _owner(self, slot: int) -> tuple[str, int]:
-        owner = self._slots[slot]
-        if owner is None:
-            await self.refresh()
-            owner = self._slots[slot]
-            if owner is None:
-                raise redis_errors.ClusterDownError(f"CLUSTERDOWN no node serves slot {slot}")
-        return owner
-
-    def _node(self, address: tuple[str, int]) -> Pipeline:
-        node = self._nodes.get(address)
-        if node is None:
-            host, port = address
-            node = Pipeline(
-                {**self.credentials, "host": host, "port": port},
-                self.timeout, self.connect_timeout, durability=self.durability,
-            )  # fmt: skip
-            self._nodes[address] = node
-        return node
-
-    def _refresh_soon(self) -> None:
-        if self._refreshing is None:
-            self._refreshing = asyncio.ensure_future(self._refresh(None))
-            self._refreshing.add_done_callback(self._refreshed)
-
-    async def refresh(self, avoid: tuple[str, int] | None = None) -> None:
-        """Read the slot map again (one read at a time; callers share it)."""
-        if self._refreshing is None:
-            self._refreshing = asyncio.ensure_future(self._refresh(avoid))
-            self._refreshing.add_done_callback(self._refreshed)
-        await asyncio.shield(self._refreshing)
-
-    def _refreshed(self, task: asyncio.Future[None]) -> None:
-        self._refreshing = None
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("cluster slot map not refreshed: %s", task.exception())
-
-    async def _refresh(self, avoid: tuple[str, int] | None) -> None:
-        known = list(dict.fromkeys([a for a in self._slots if a is not None]))
-        candidates = [a for a in dict.fromkeys([*known, *self.seeds]) if a != avoid]
-        if avoid is not None:
-            candidates.append(avoid)
-        last: Exception | None = None
-        for address in candidates:
-            try:
-                reply = await self._node(address).execute(b"CLUSTER", b"SLOTS")
-            except (redis_errors.RedisError, OSError) as exc:
-                last = exc
-                continue
-            slots: list[tuple[str, int] | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-            for lo, hi, primary, *_ in reply:
-                host = primary[0].decode() if primary[0] else address[0]
-                owner = (host, int(primary[1]))
-                slots[lo : hi + 1] = [owner] * (hi - lo + 1)
-            self._slots = slots
-            self.refreshes += 1
-            # Connections to nodes that serve nothing any more are closed.
-            owners = set(slots)
-            for gone in [a for a in self._nodes if a not in owners and a not in self.seeds]:
-                self._nodes.pop(gone).close()
-            return
-        raise redis_errors.ConnectionError(f"no cluster node answered CLUSTER SLOTS: {last}")
-
-    def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-        for node in self._nodes.values():
-            node.close()
-        self._nodes.clear()
-
-
 def _quiet(future: asyncio.Future[Any]) -> None:
     """A future whose failure may go unread (asyncio would log it as never retrieved)."""
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def _pause(attempt: int) -> float:
-    """A short, growing pause before going again (a migration or failover in progress)."""
-    return min(0.1, 0.002 * (2 ** min(attempt, 6)))
 
 
 # -- one connection ----------------------------------------------------------------------

@@ -23,9 +23,10 @@ from redis.commands.core import AsyncScript
 
 from gateway.cluster_client import ping_every_primary
 from gateway.config import Config
+from gateway.durability import confirmed_script
 from gateway.errors import ConfigError, RealmError, StoreUnavailable
 from gateway.keys import Keys, partition_keys, partition_of, partition_of_run, run_id_in
-from gateway.pipeline import confirmed_script, script_pipeline
+from gateway.pipeline import script_pipeline
 from gateway.policy import Decision, KeyState, decide
 from gateway.runs import (
     MAX_BATCH_ITEMS,

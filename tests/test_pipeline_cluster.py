@@ -19,10 +19,11 @@ import pytest
 import redis as redis_sync
 from redis import exceptions as redis_errors
 
+from gateway.cluster_pipeline import ClusterPipeline
 from gateway.config import Durability
 from gateway.connection import redis_client
 from gateway.errors import StoreUnavailable
-from gateway.pipeline import ClusterPipeline, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.scripts import Scripts
 from tests.cluster import Cluster, ClusterNode, key_slot
 from tests.senders import send_all
