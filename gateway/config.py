@@ -36,7 +36,8 @@ RETENTION = re.compile(r"^([1-9][0-9]*)([dhms])$")
 RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 DEFAULT_RETENTION = "7d"
 WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "partitions",
-                   "description"}  # fmt: skip
+                   "description", "max_attempts", "retry_backoff", "lease"}  # fmt: skip
+WORKFLOW_FIELDS.add("handlers")  # step handlers for `realm work` (gateway/handlers.py)
 # A busy workflow's keys may be spread over this many hash tags ({wf#0} … {wf#N-1}).
 MAX_PARTITIONS = 1024
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
@@ -65,6 +66,15 @@ class Workflow:
     # Hash tags the workflow's keys are spread over (1: the one tag {wf}); an
     # idempotency key always lives in the same partition (gateway/keys.py).
     partitions: int = 1
+    # Runners (gateway/runner.py): attempts of each step before the run fails, the
+    # backoff before attempt n+1 (doubling each time), and how long a taken step is a
+    # runner's before another may take it.
+    max_attempts: int = 3
+    retry_backoff_ms: int = 1_000
+    lease_ms: int = 30_000
+    # The raw `handlers:` mapping (checked by gateway/handlers.py at load; `realm work`
+    # builds the handlers from it). Not part of the layout: compare=False.
+    handlers: Mapping[str, Any] | None = field(default=None, compare=False)
     _validator: Any = field(default=None, repr=False, compare=False)
     # A compiled yes/no check for schemas where it agrees with jsonschema (see
     # _fast_check_for); jsonschema stays the authority and writes the messages.
@@ -277,6 +287,23 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         except ValueError as exc:
             raise error("stream_retention", str(exc)) from None
 
+    max_attempts = raw.get("max_attempts", 3)
+    if (
+        not isinstance(max_attempts, int)
+        or isinstance(max_attempts, bool)
+        or not (1 <= max_attempts <= 100)
+    ):
+        raise error(
+            "max_attempts",
+            f"must be a whole number from 1 to 100 (got {_clip(repr(max_attempts))})",
+        )
+    durations = {}
+    for field_name, default in (("retry_backoff", "1s"), ("lease", "30s")):
+        try:
+            durations[field_name] = parse_retention(raw.get(field_name, default))
+        except ValueError as exc:
+            raise error(field_name, str(exc)) from None
+
     partitions = raw.get("partitions", 1)
     if (
         not isinstance(partitions, int)
@@ -310,12 +337,21 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         except (Unresolvable, TypeError, ValueError, AttributeError, RecursionError) as exc:
             # Unresolvable: jsonschema's error for a $ref it cannot resolve.
             raise error("params_schema", f"cannot be used: {_clip(str(exc))}") from None
+    handlers = raw.get("handlers")
+    if handlers is not None:
+        from gateway.handlers import parse_handlers
+
+        parse_handlers(handlers, file=file, workflow=name, steps=steps)
     return Workflow(
         name=name,
+        handlers=handlers,
         steps=tuple(steps),
         retention_ms=retention_ms,
         stream_retention_ms=stream_retention_ms,
         partitions=partitions,
+        max_attempts=max_attempts,
+        retry_backoff_ms=durations["retry_backoff"],
+        lease_ms=durations["lease"],
         params_schema=schema,
         _validator=validator,
         _fast_check=_fast_check_for(schema) if schema is not None else None,

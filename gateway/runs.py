@@ -57,6 +57,35 @@ class BatchEntry:
 
 
 @dataclass(frozen=True)
+class TakenStep:
+    """A ready step handed to a runner under a lease (RunStore.take_steps)."""
+
+    run_id: str
+    workflow: str
+    step: str
+    attempt: int  # 1 on the first try
+    params: Mapping[str, Any]
+    output: Any  # the previous step's output; None for the first step
+    lease: str  # the token to pass back to complete_step, fail_step, extend_lease
+    lease_until_ms: int  # server time
+    entry_id: str  # the stream entry
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """What a failed attempt led to (RunStore.fail_step): a retry, or the run failed."""
+
+    run_id: str
+    phase: str  # 'running' while a retry is due; 'failed' after the last attempt
+    attempt: int
+    retry_at_ms: int | None
+
+
+# A step's output is stored on the run and handed to the next step: bounded.
+MAX_OUTPUT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
 class Run:
     id: str
     workflow: str

@@ -20,6 +20,9 @@ SCRIPT_NAMES = (
     "cancel_key",
     "repoint",
     "sweep",
+    "take_step",
+    "step_failed",
+    "extend_lease",
 )
 
 
@@ -45,6 +48,9 @@ class Scripts:
         self.cancel_key: AsyncScript = redis.register_script(script_source("cancel_key"))
         self.repoint: AsyncScript = redis.register_script(script_source("repoint"))
         self.sweep: AsyncScript = redis.register_script(script_source("sweep"))
+        self.take_step: AsyncScript = redis.register_script(script_source("take_step"))
+        self.step_failed: AsyncScript = redis.register_script(script_source("step_failed"))
+        self.extend_lease: AsyncScript = redis.register_script(script_source("extend_lease"))
 
     def all(self) -> tuple[AsyncScript, ...]:
         return (
@@ -55,4 +61,7 @@ class Scripts:
             self.cancel_key,
             self.repoint,
             self.sweep,
+            self.take_step,
+            self.step_failed,
+            self.extend_lease,
         )

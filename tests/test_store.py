@@ -438,6 +438,9 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     await redis.delete(KEYS.pointer("j"))
     await reconcile(store, dry_run=False)
     await sweep(store, "sync")
+    [taken] = await store.take_steps("sync", "r1")
+    await store.extend_lease(taken.run_id, taken.step, taken.lease)
+    await store.fail_step(taken.run_id, taken.step, "boom", lease=taken.lease)
 
     assert {name for name, _ in seen} == set(SCRIPT_NAMES)
     for name, keys in seen:

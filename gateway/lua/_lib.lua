@@ -1,6 +1,9 @@
 -- Shared helpers, prepended by gateway/scripts.py to every script after its
 -- `#!lua` line, so each operation stays one atomic file without copying these.
 
+-- The consumer group of the runners on every stream (gateway/store.py take_steps).
+local RUNNERS_GROUP = 'runners'
+
 -- Server time, in milliseconds and in microseconds: every gateway replica agrees on it.
 local function server_time()
   local t = redis.call('TIME')
@@ -53,15 +56,59 @@ end
 
 -- End a live run: record its final phase, mirror it on the key pointer when
 -- the pointer still names this run, and start the retention clock on both.
--- `pointer` and `keyruns` may be nil for a run started without a key.
-local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyruns)
+-- `pointer` and `keyruns` may be nil for a run started without a key. With the
+-- `stream`, the entry of the step it was at is acknowledged for the runners: no
+-- step of an ended run is handed out (take_step.lua refuses one anyway).
+local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyruns, stream)
+  if stream then
+    local entry = redis.call('HGET', run_key, 'entry')
+    if entry then
+      redis.call('XACK', stream, RUNNERS_GROUP, entry)
+    end
+  end
   redis.call('HSET', run_key, 'phase', phase, 'updated_ms', now, 'ended_ms', now)
+  redis.call('HDEL', run_key, 'lease', 'lease_until')
   redis.call('PEXPIRE', run_key, retention_ms)
   if pointer and redis.call('HGET', pointer, 'run') == run_id then
     redis.call('HSET', pointer, 'phase', phase)
     redis.call('PEXPIRE', pointer, retention_ms)
     redis.call('PEXPIRE', keyruns, retention_ms)
   end
+end
+
+local function ack(stream, entry)
+  if entry and entry ~= '' then
+    redis.call('XACK', stream, RUNNERS_GROUP, entry)
+  end
+end
+
+-- May a report on `step` of a run be recorded (complete_step, step_failed,
+-- extend_lease, end_run with a lease)? nil if so, else the refusal
+-- {outcome, phase, step}. A report on a run that ended, or that moved past the step,
+-- is discarded and the reporter's stream entry (`entry_id`) acknowledged: nothing is
+-- left to do for it. A report under a lease (`token`; '' = an operator's, unleased)
+-- that is no longer the run's is discarded too, and the entry left to the runner
+-- that holds the newer lease.
+local function check_report(run_key, stream, step, token, entry_id)
+  local run = redis.call('HMGET', run_key, 'id', 'phase', 'step', 'lease', 'entry')
+  if not run[1] then
+    return {'not_found', '', ''}
+  end
+  if run[2] ~= 'running' then
+    ack(stream, entry_id)
+    ack(stream, run[5])
+    return {'not_live', run[2], run[3]}
+  end
+  if step ~= '' and run[3] ~= step then
+    if entry_id ~= run[5] then
+      ack(stream, entry_id)
+    end
+    return {'wrong_step', run[2], run[3]}
+  end
+  if token ~= '' and run[4] ~= token then
+    return {'lease_lost', run[2], run[3]}
+  end
+  return nil
 end
 
 -- Does an item of a batch have to be called again naming the hash of the run its
@@ -163,7 +210,7 @@ local function claim(k, a, now, now_us)
           refusal = 'active'
         else
           -- cancel_existing: end the live run and start the new one right here.
-          end_run(k.cur, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns)
+          end_run(k.cur, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns, k.stream)
         end
       elseif a.on_terminal == 'reuse' then
         refusal = existing
@@ -184,15 +231,16 @@ local function claim(k, a, now, now_us)
   end
 
   local first = a.first
+  local entry = redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow,
+    'step', first, 'params', a.params)
+  -- `entry`: the stream entry of the step the run is at, for the runners.
   redis.call('HSET', k.run,
     'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'running',
     'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
-    'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of)
+    'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'entry', entry)
   -- The workflow's index orders listings only: the time (unique per script call,
   -- which takes more than a microsecond) plus the item's place in its batch.
   redis.call('ZADD', k.index, now_us + a.seq, a.id)
-  redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow, 'step', first,
-    'params', a.params)
   if k.pointer then
     if rerun_of ~= '' then
       -- The old pointer may carry a TTL (its run ended): start it afresh. A key

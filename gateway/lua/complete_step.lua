@@ -8,54 +8,61 @@ KEYS[4]  key pointer (optional)        realm:{wf}:key:<key>
 KEYS[5]  runs of this key (with 4)     realm:{wf}:keyruns:<key>
 
 ARGV[1] run id   ARGV[2] the step that finished   ARGV[3] retention in ms
+ARGV[4] the runner's lease token ('' = an operator's report: no lease checked)
+ARGV[5] the step's output (JSON text; '' = none)
+ARGV[6] the stream entry the runner took ('' = unknown)
 
 Reply: {outcome, phase, step}
   advanced    the run moved on to `step`, and a stream entry for it was added
   completed   that was the last step: the run is now 'completed'
   not_found   no such run (never existed, or expired)
-  not_live    the run has ended (phase says how): STATE_RUN_NOT_LIVE
-  wrong_step  ARGV[2] is not the current step (step names the current one)
+  not_live    the run has ended (phase says how): STATE_RUN_NOT_LIVE; discarded
+  wrong_step  ARGV[2] is not the current step (step names the current one); discarded
+  lease_lost  another runner holds a newer lease on the step; discarded
+The step's stream entry is acknowledged for the runners when the step is done or
+its result discarded for good (check_report in _lib.lua).
 A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
 local run_key, stream, op, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local run_id, done_step, retention_ms = ARGV[1], ARGV[2], ARGV[3]
+local token, output, entry_id = ARGV[4], ARGV[5], ARGV[6]
 
 local recalled = op_recall(op)
 if recalled then
   return recalled
 end
 
-local run = redis.call('HMGET', run_key, 'id', 'phase', 'step', 'steps', 'workflow', 'params')
-if not run[1] then
-  return {'not_found', '', ''}
-end
-local phase, step = run[2], run[3]
-if phase ~= 'running' then
-  return {'not_live', phase, step}
-end
-if step ~= done_step then
-  return {'wrong_step', phase, step}
+local refused = check_report(run_key, stream, done_step, token, entry_id)
+if refused then
+  return refused
 end
 
+local run = redis.call('HMGET', run_key, 'steps', 'workflow', 'params', 'entry')
 local now = now_ms()
-local steps = cjson.decode(run[4])
+local steps = cjson.decode(run[1])
 local next_step = nil
 for i, name in ipairs(steps) do
-  if name == step then
+  if name == done_step then
     next_step = steps[i + 1]
     break
   end
 end
+ack(stream, run[4])
+if output ~= '' then
+  redis.call('HSET', run_key, 'output', output)
+end
 
 if next_step == nil then
   end_run(run_key, run_id, 'completed', now, retention_ms, pointer, keyruns)
-  return op_remember(op, {'completed', 'completed', step}, retention_ms)
+  return op_remember(op, {'completed', 'completed', done_step}, retention_ms)
 end
-redis.call('HSET', run_key, 'step', next_step, 'updated_ms', now)
+local entry = redis.call('XADD', stream, '*', 'run_id', run_id, 'workflow', run[2],
+  'step', next_step, 'params', run[3])
+redis.call('HSET', run_key, 'step', next_step, 'updated_ms', now, 'entry', entry,
+  'attempt', 0)
+redis.call('HDEL', run_key, 'lease', 'lease_until')
 if pointer and redis.call('HGET', pointer, 'run') == run_id then
   redis.call('HSET', pointer, 'step', next_step)
 end
-redis.call('XADD', stream, '*', 'run_id', run_id, 'workflow', run[5], 'step', next_step,
-  'params', run[6])
 return op_remember(op, {'advanced', 'running', next_step}, retention_ms)

@@ -2,7 +2,8 @@
 --[[ sweep: one bounded step of trimming a workflow's run index and ready stream.
 
 KEYS[1]  index of all runs (zset, by start)  realm:{wf}:runs
-KEYS[2]  stream the runners read            realm:{wf}:stream
+KEYS[2]  stream the runners read            realm:{wf}:stream  (never trimmed past what
+         the `runners` group has not acknowledged or not yet been handed)
 KEYS[3]  sweep position (string: a score)   realm:{wf}:sweep
 KEYS[4..] the run hash of each id in ARGV[5..], in the same order   realm:{wf}:run:<id>
 
@@ -28,6 +29,37 @@ Flags: allow-oom, because this is what frees memory when a server at maxmemory
 (noeviction) refuses every start; it writes nothing but the small position.
 ]]
 
+-- Stream ids ('<ms>-<seq>') in order.
+local function id_less(a, b)
+  local am, as = string.match(a, '^(%d+)-?(%d*)$')
+  local bm, bs = string.match(b, '^(%d+)-?(%d*)$')
+  if tonumber(am) ~= tonumber(bm) then
+    return tonumber(am) < tonumber(bm)
+  end
+  return (tonumber(as) or 0) < (tonumber(bs) or 0)
+end
+
+-- The lowest id the runners still need: their oldest pending entry, and the entry
+-- after the last one delivered (an id above it is undelivered). nil without runners.
+local function runners_floor(stream)
+  local floor = nil
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #group, 2 do
+      fields[group[i]] = group[i + 1]
+    end
+    if fields['name'] == RUNNERS_GROUP then
+      local ms, seq = string.match(fields['last-delivered-id'], '^(%d+)-(%d+)$')
+      floor = ms .. '-' .. (tonumber(seq) + 1)
+      local pending = redis.call('XPENDING', stream, RUNNERS_GROUP)
+      if pending[2] and id_less(pending[2], floor) then
+        floor = pending[2]
+      end
+    end
+  end
+  return floor
+end
+
 local index, stream, position = KEYS[1], KEYS[2], KEYS[3]
 local read_from, go_on_from = ARGV[1], ARGV[2]
 local stream_retention_ms, trim_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -52,12 +84,20 @@ end
 -- once it finds none to drop, an exact trim removes the old entries left in the one
 -- node that straddles the threshold (at most a node's worth: stream-node-max-entries),
 -- so an idle stream goes back to empty rather than keeping a last node forever.
+-- With runners (the `runners` consumer group), an entry they have not acknowledged
+-- is work in hand or still to do: the trim stops below the oldest pending entry and
+-- below the first entry not yet delivered, whatever its age.
 local threshold = now_ms() - stream_retention_ms
 local trimmed, exact = 0, '0'
-if threshold > 0 then
-  trimmed = redis.call('XTRIM', stream, 'MINID', '~', threshold, 'LIMIT', trim_limit)
+if threshold > 0 and redis.call('EXISTS', stream) == 1 then
+  local floor = runners_floor(stream)
+  local minid = tostring(threshold)
+  if floor and id_less(floor, minid) then
+    minid = floor
+  end
+  trimmed = redis.call('XTRIM', stream, 'MINID', '~', minid, 'LIMIT', trim_limit)
   if trimmed == 0 then
-    trimmed = redis.call('XTRIM', stream, 'MINID', threshold)
+    trimmed = redis.call('XTRIM', stream, 'MINID', minid)
     exact = '1'
   end
 end
