@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
@@ -18,6 +18,9 @@ from gateway.paging import check_cursor, parse_limit
 from gateway.reconcile import reconcile
 from gateway.runs import new_run_id
 from gateway.store import RunStore
+
+if TYPE_CHECKING:
+    from gateway.runs import TakenStep
 
 Handler = Callable[[Request, RunStore], Awaitable[Response]]
 
@@ -145,12 +148,57 @@ async def cancel_key(request: Request, store: RunStore) -> Response:
     return json_response({"cancelled": cancelled})
 
 
+MAX_CLAIM_COUNT = 100
+# The runner name claims read with when the caller names none (the stream's consumer).
+DEFAULT_RUNNER = "api"
+
+
+async def claim_steps(request: Request, store: RunStore) -> Response:
+    """Take up to ``count`` ready steps of a workflow, each with a lease (RUNNERS_SPEC)."""
+    data = await _body(request)
+    runner = _field(data, "runner", str, DEFAULT_RUNNER)
+    count = _field(data, "count", int, 1)
+    seconds = _field(data, "lease_seconds", (int, float), None)
+    if not runner or len(runner) > 200:
+        raise RealmError("VALIDATION_BODY", "field 'runner' must be 1 to 200 characters")
+    if isinstance(count, bool) or not 1 <= count <= MAX_CLAIM_COUNT:
+        raise RealmError("VALIDATION_BODY", f"field 'count' must be 1 to {MAX_CLAIM_COUNT}")
+    if seconds is not None and (isinstance(seconds, bool) or not 1 <= seconds <= 3600):
+        raise RealmError("VALIDATION_BODY", "field 'lease_seconds' must be 1 to 3600")
+    taken = await store.take_steps(
+        request.path_params["workflow"], runner, count=count,
+        lease_ms=None if seconds is None else int(seconds * 1000),
+    )  # fmt: skip
+    return json_response({"status": "ok", "steps": [_taken_json(t) for t in taken]})
+
+
+def _taken_json(taken: TakenStep) -> dict[str, Any]:
+    return {
+        "run_id": taken.run_id,
+        "workflow": taken.workflow,
+        "step": taken.step,
+        "attempt": taken.attempt,
+        "params": taken.params,
+        "output": taken.output,
+        "lease": taken.lease,
+        "lease_until_ms": taken.lease_until_ms,
+    }
+
+
+def _lease(data: dict[str, Any]) -> str | None:
+    """The lease a runner claimed the step with (without one, no lease is checked)."""
+    return _field(data, "lease", str, None)
+
+
 async def complete_step(request: Request, store: RunStore) -> Response:
     data = await _body(request)
     step = _field(data, "step", str, None)
     if step is None:
         raise RealmError("VALIDATION_BODY", "field 'step' is required")
-    result = await store.complete_step(request.path_params["run_id"], step, op_id=_request_id(data))
+    result = await store.complete_step(
+        request.path_params["run_id"], step, lease=_lease(data), output=data.get("output"),
+        op_id=_request_id(data),
+    )  # fmt: skip
     return json_response(
         {
             "status": "ok",
@@ -163,8 +211,28 @@ async def complete_step(request: Request, store: RunStore) -> Response:
 
 async def fail_run(request: Request, store: RunStore) -> Response:
     data = await _body(request)
+    error = _field(data, "error", str, "")
+    if _field(data, "retry", bool, False):
+        # One attempt of the step fails: it is taken again after a backoff, or the
+        # run fails once the workflow's max_attempts are used.
+        step = _field(data, "step", str, None)
+        lease = _lease(data)
+        if step is None or lease is None:
+            raise RealmError("VALIDATION_BODY", "'retry' needs the fields 'step' and 'lease'")
+        failure = await store.fail_step(
+            request.path_params["run_id"], step, error, lease=lease, op_id=_request_id(data)
+        )
+        return json_response(
+            {
+                "status": "ok",
+                "run_id": failure.run_id,
+                "phase": failure.phase,
+                "attempt": failure.attempt,
+                "retry_at_ms": failure.retry_at_ms,
+            }
+        )
     run = await store.fail_run(
-        request.path_params["run_id"], _field(data, "error", str, ""), op_id=_request_id(data)
+        request.path_params["run_id"], error, lease=_lease(data), op_id=_request_id(data)
     )
     return json_response({"status": "ok", **run.as_dict()})
 
@@ -213,10 +281,16 @@ API_ROUTES: list[tuple[str, str, Handler, str]] = [
     ("/v1/workflows/{workflow}/runs", "GET", list_runs, "List runs, newest first"),
     ("/v1/workflows/{workflow}/batch", "POST", start_batch, "Start several runs in one call"),
     ("/v1/workflows/{workflow}/cancel", "POST", cancel_key, "Cancel the live run of a key"),
+    (
+        "/v1/workflows/{workflow}/steps/claim",
+        "POST",
+        claim_steps,
+        "Take ready steps, each with a lease",
+    ),
     ("/v1/runs/{run_id}", "GET", get_run, "Get a run"),
     ("/v1/runs/{run_id}/cancel", "POST", cancel_run, "Cancel a run"),
     ("/v1/runs/{run_id}/complete", "POST", complete_step, "Complete the run's current step"),
-    ("/v1/runs/{run_id}/fail", "POST", fail_run, "Fail a live run"),
+    ("/v1/runs/{run_id}/fail", "POST", fail_run, "Fail a live run, or one attempt of its step"),
     ("/v1/reconcile", "POST", reconcile_keys, "Check and repair key pointers"),
 ]
 

@@ -107,6 +107,8 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
     async def metrics_text(request: Request) -> Response:
         delivery_log.flush()  # this worker's counts; the others flush every 0.2 s
         text, content_type = metrics.render()
+        # The step streams, read from Redis now (bounded; never fails the scrape).
+        text += await metrics.queue_text(request.state.store)
         return Response(text, headers={"Content-Type": content_type})
 
     routes = [Route(path, post_only, methods=["POST"]) for path in by_path]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Annotated, Any, Literal
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import orjson
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import CallToolResult, TextContent
@@ -28,6 +30,9 @@ from gateway.errors import RealmError, StoreUnavailable
 from gateway.paging import check_cursor
 from gateway.runs import MAX_BATCH_ITEMS, new_run_id
 from gateway.store import RunStore
+
+if TYPE_CHECKING:
+    from gateway.runs import StepFailure, TakenStep
 
 log = logging.getLogger("realm.mcp")
 
@@ -45,7 +50,15 @@ Realm starts workflow runs exactly once. Give start_run an idempotency_key that
 names the piece of work (an order number, an event id): a repeat with the same key
 starts nothing and returns the run that already exists (deduped: true), with the
 step that is ready next. Every reply starts with 'status: ok' or 'status: error'
-followed by a code such as STATE_RUN_ALREADY_ACTIVE."""
+followed by a code such as STATE_RUN_ALREADY_ACTIVE.
+
+To be a runner: claim_step takes the next ready step of a workflow with a lease;
+do the step, then report it with complete_step (with its output) or fail_run,
+passing the lease. A result that comes back after the run was cancelled or moved
+on is discarded (STATE_RUN_NOT_LIVE, STATE_STEP_NOT_CURRENT): do not redo it."""
+
+# The consumer name claim_step reads with when the caller names none.
+DEFAULT_RUNNER = "mcp"
 
 WorkflowId = Annotated[str, Field(description="The workflow, as named in triggers.yaml.")]
 RunId = Annotated[str, Field(description="The run's id (a UUID), as start_run returned it.")]
@@ -86,6 +99,14 @@ ParamsMismatch = Annotated[
     Field(
         description="A repeat whose params differ from the key's run: flag returns the "
         "run with params_mismatch: true; reject refuses (STATE_IDEMPOTENCY_KEY_CONFLICT).",
+    ),
+]
+Lease = Annotated[
+    str | None,
+    Field(
+        description="The lease claim_step returned with this step: the result counts only "
+        "while it is the run's current lease (else it is discarded, STATE_STEP_NOT_CURRENT). "
+        "Without it, the step is recorded whoever holds it (an admin's override).",
     ),
 ]
 RequestId = Annotated[
@@ -145,7 +166,7 @@ class RealmMCPServer(MCPServer[RunStore]):
 
 
 def build_server(store_factory: StoreFactory) -> RealmMCPServer:
-    """The MCP server with Realm's seven tools.
+    """The MCP server with Realm's eight tools.
 
     ``store_factory()`` is entered once, in the server's lifespan, and its
     ``RunStore`` serves every tool call until the session ends.
@@ -286,38 +307,165 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
         return await _call(ctx, work)
 
     @server.tool(
+        description="Take the next ready step of a workflow, with a lease: the reply gives "
+        "the run_id, step, attempt, the lease token and its deadline (lease_until), the "
+        "run's params and the previous step's output. Do the step before the deadline, "
+        "then report it with complete_step or fail_run, passing the lease. When no step "
+        "is ready the reply says so."
+    )
+    async def claim_step(
+        ctx: Context,
+        workflow_id: WorkflowId,
+        runner: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=200,
+                description="Your name as a runner (the stream's consumer name).",
+            ),
+        ] = None,
+        lease_seconds: Annotated[
+            float | None,
+            Field(
+                ge=1,
+                le=3600,
+                description="How long the step is yours (default: the workflow's lease).",
+            ),
+        ] = None,
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            lease_ms = None if lease_seconds is None else int(lease_seconds * 1000)
+            taken = await store.take_steps(
+                workflow_id, runner or DEFAULT_RUNNER, count=1, lease_ms=lease_ms
+            )
+            if not taken:
+                return f"status: ok\nNo step of workflow '{replies.shown(workflow_id)}' is ready."
+            return claim_text(taken[0])
+
+        return await _call(ctx, work)
+
+    @server.tool(
         description="Record that a run's current step finished: the run moves to its next "
         "step (named in the reply) or, after the last step, completes. A step that is not "
-        "the current one, or a run that has ended, is refused."
+        "the current one, or a run that has ended, is refused; with a lease, a result "
+        "after the lease passed to another runner is refused too (the result is discarded)."
     )
     async def complete_step(
         ctx: Context,
         run_id: RunId,
         step: Annotated[str, Field(description="The step that finished (the current one).")],
+        lease: Lease = None,
+        output: Annotated[
+            Any,
+            Field(
+                description="The step's output (any JSON value, at most 64 KiB encoded): "
+                "stored on the run and given to the next step's claim.",
+            ),
+        ] = None,
         request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
-            result = await store.complete_step(run_id, step, op_id=request_id)
+            result = await store.complete_step(
+                run_id, step, lease=lease, output=output, op_id=request_id
+            )
             return replies.step_text(step, result)
 
         return await _call(ctx, work)
 
     @server.tool(
         description="End a live run as failed, with an optional error text stored with the "
-        "run. A run that has already ended is refused (STATE_RUN_NOT_LIVE)."
+        "run. A run that has already ended is refused (STATE_RUN_NOT_LIVE). With retry: true "
+        "(and the step and its lease), only this attempt of the step fails: the step is "
+        "taken again after a backoff, and the run fails once the workflow's max_attempts "
+        "are used."
     )
     async def fail_run(
         ctx: Context,
         run_id: RunId,
         error: Annotated[str, Field(description="Why it failed (stored with the run).")] = "",
+        lease: Lease = None,
+        retry: Annotated[
+            bool,
+            Field(description="Fail this attempt only; needs step and lease."),
+        ] = False,
+        step: Annotated[str | None, Field(description="With retry: the step that failed.")] = None,
         request_id: RequestId = None,
     ) -> CallToolResult:
         async def work(store: RunStore) -> str:
-            return replies.fail_text(await store.fail_run(run_id, error, op_id=request_id))
+            if not retry:
+                run = await store.fail_run(run_id, error, lease=lease, op_id=request_id)
+                return replies.fail_text(run)
+            if step is None or lease is None:
+                raise RealmError(
+                    "VALIDATION_PARAMS", "fail_run: retry needs the step and its lease"
+                )
+            failure = await store.fail_step(run_id, step, error, lease=lease, op_id=request_id)
+            return retry_text(step, failure)
 
         return await _call(ctx, work)
 
     return server
+
+
+def claim_text(taken: TakenStep) -> str:
+    """A claimed step, in the lines of DESIGN §4: what to do, and the lease to report it
+    with. Every value a sender or caller chose is escaped (``replies.shown``)."""
+    until = _time(taken.lease_until_ms)
+    step = replies.shown(taken.step)
+    return "\n".join(
+        [
+            "status: ok",
+            f"run_id: {taken.run_id}",
+            f"step: {step}",
+            f"attempt: {taken.attempt}",
+            f"lease: {replies.shown(taken.lease)}",
+            f"lease_until: {until}",
+            f"params: {_json_line(taken.params)}",
+            f"output: {_json_line(taken.output)}",
+            f"Step '{step}' of run '{taken.run_id}' is yours until {until}; report it with "
+            "complete_step or fail_run, passing lease.",
+        ]
+    )
+
+
+def retry_text(step: str, failure: StepFailure) -> str:
+    """A failed attempt (``StepFailure``): taken again after its backoff, or the run failed."""
+    lines = ["status: ok", f"run_id: {failure.run_id}", f"phase: {failure.phase}",
+             f"attempt: {failure.attempt}"]  # fmt: skip
+    shown = replies.shown(step)
+    if failure.phase == "running" and failure.retry_at_ms is not None:
+        at = _time(failure.retry_at_ms)
+        lines.append(f"retry_at: {at}")
+        lines.append(
+            f"Attempt {failure.attempt} of step '{shown}' failed; the step is ready again at {at}."
+        )
+    else:
+        lines.append(
+            f"Attempt {failure.attempt} of step '{shown}' failed, the last one; "
+            f"run '{failure.run_id}' failed."
+        )
+    return "\n".join(lines)
+
+
+def _time(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+def _json_line(value: Any) -> str:
+    """A JSON value on one line: orjson escapes line breaks and C0 controls; the other
+    characters a terminal or a line reader could act on (DEL, C1, U+2028) too."""
+    text = orjson.dumps(value).decode()
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else _escape(c) for c in text)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code > 0xFFFF:  # JSON spells it as a surrogate pair
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
 
 
 async def _call(

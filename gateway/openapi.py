@@ -85,6 +85,27 @@ _BATCH_ID = {
         "and starts nothing twice.",
     }
 }
+_LEASE = {
+    "lease": {
+        "type": "string",
+        "description": "The lease the step was claimed with: the result counts only while it "
+        "is the run's current lease (else 409 STATE_STEP_NOT_CURRENT, the result discarded). "
+        "Without it, no lease is checked.",
+    }
+}
+_TAKEN = {
+    "type": "object",
+    "properties": {
+        "run_id": {"type": "string", "format": "uuid"},
+        "workflow": {"type": "string"},
+        "step": {"type": "string"},
+        "attempt": {"type": "integer", "minimum": 1},
+        "params": {"type": "object"},
+        "output": {"description": "The previous step's output (null for the first step)"},
+        "lease": {"type": "string"},
+        "lease_until_ms": {"type": "integer"},
+    },
+}
 _BODIES: dict[str, dict[str, Any]] = {
     "start": {"properties": {"params": {"type": "object"},
                              "idempotency_key": {"type": "string"}, **_POLICIES, **_REQUEST_ID}},
@@ -94,9 +115,21 @@ _BODIES: dict[str, dict[str, Any]] = {
     "cancel_run": {"properties": {**_REQUEST_ID}},
     "cancel_key": {"required": ["idempotency_key"],
                    "properties": {"idempotency_key": {"type": "string"}, **_REQUEST_ID}},
+    "claim_steps": {"properties": {
+        "runner": {"type": "string", "minLength": 1, "maxLength": 200, "default": "api"},
+        "count": {"type": "integer", "minimum": 1, "maximum": 100, "default": 1},
+        "lease_seconds": {"type": "number", "minimum": 1, "maximum": 3600,
+                          "description": "default: the workflow's lease"}}},
     "complete_step": {"required": ["step"],
-                      "properties": {"step": {"type": "string"}, **_REQUEST_ID}},
-    "fail_run": {"properties": {"error": {"type": "string"}, **_REQUEST_ID}},
+                      "properties": {"step": {"type": "string"}, **_LEASE,
+                                     "output": {"description": "The step's output: any JSON "
+                                                "value, at most 64 KiB encoded"},
+                                     **_REQUEST_ID}},
+    "fail_run": {"properties": {"error": {"type": "string"}, **_LEASE,
+                                "retry": {"type": "boolean", "default": False,
+                                          "description": "fail this attempt of the step only "
+                                          "(needs step and lease)"},
+                                "step": {"type": "string"}, **_REQUEST_ID}},
     "reconcile_keys": {"properties": {"dry_run": {"type": "boolean", "default": True},
                                       "workflow": {"type": "string"}}},
 }  # fmt: skip
@@ -116,8 +149,12 @@ _OK: dict[str, dict[str, Any]] = {
         "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
     "cancel_key": {"200": ("1 if the key had a live run", {
         "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
+    "claim_steps": {"200": ("the steps taken (none when nothing is ready)", {
+        "type": "object",
+        "properties": {"status": {"const": "ok"}, "steps": {"type": "array", "items": _TAKEN}}})},
     "complete_step": {"200": ("the run's phase and next step", {"type": "object"})},
-    "fail_run": {"200": ("the failed run", _RUN)},
+    "fail_run": {"200": ("the failed run; with retry, the run's phase, the attempt and "
+                         "retry_at_ms", {"oneOf": [_RUN, {"type": "object"}]})},
     "reconcile_keys": {"200": ("the report", {"type": "object"})},
 }  # fmt: skip
 

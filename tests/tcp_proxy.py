@@ -103,6 +103,7 @@ class TcpProxy:
     commands: int = 0
     dropped: list[Dropped] = field(default_factory=list)
     _armed: bytes | None = None
+    _armed_sha: bytes | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -146,10 +147,13 @@ class TcpProxy:
             self._thread.join(10)
         self._thread = None
 
-    def drop_next_reply(self, command: bytes = b"EVALSHA") -> None:
-        """Arm: withhold the reply to the next ``command`` forwarded, then cut that client."""
+    def drop_next_reply(self, command: bytes = b"EVALSHA", sha: bytes | None = None) -> None:
+        """Arm: withhold the reply to the next ``command`` forwarded (with ``sha``, the
+        next EVALSHA of that script only: a listener's background sweep calls scripts
+        too), then cut that client."""
         with self._lock:
             self._armed = command.upper()
+            self._armed_sha = sha
 
     @property
     def armed(self) -> bool:
@@ -201,7 +205,11 @@ class TcpProxy:
                 entry = _Pending(args)
                 name = args[0].upper() if args else b""
                 with self._lock:
-                    if self._armed is not None and name == self._armed:
+                    if (
+                        self._armed is not None
+                        and name == self._armed
+                        and (self._armed_sha is None or args[1:2] == [self._armed_sha])
+                    ):
                         entry.doomed, self._armed = True, None
                 pending.append(entry)
             del buf[:at]

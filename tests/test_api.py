@@ -241,6 +241,11 @@ def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path, start_red
         )
         assert batch.status_code == 503
         assert (batch.json()["code"], batch.json()["batch_id"]) == ("STORE_UNAVAILABLE", "b-9")
+        # /metrics still answers, and says the streams could not be read.
+        scraped = httpx.get(listener.base_url + "/metrics", timeout=10)
+        assert scraped.status_code == 200
+        assert 'realm_queue_read_ok{workflow="sync"} 0.0' in scraped.text
+        assert "realm_steps_waiting{" not in scraped.text
     finally:
         listener.stop()
 
@@ -352,3 +357,55 @@ def test_openapi_documents_the_request_ids(listener: Listener):
                  "/v1/workflows/{workflow}/cancel"):  # fmt: skip
         assert body(path)["request_id"]["type"] == "string", path
     assert "batch_id" in body("/v1/workflows/{workflow}/batch")
+
+
+def test_a_runner_over_http_claims_completes_and_is_told_of_discards(api: httpx.Client):
+    assert api.post("/v1/workflows/sync/steps/claim").json() == {"status": "ok", "steps": []}
+    runs = [api.post("/v1/workflows/sync/runs", json={"idempotency_key": k,
+                                                       "params": {"n": i}}).json()["run_id"]
+            for i, k in enumerate(("r0", "r1", "r2"))]  # fmt: skip
+    claim = api.post("/v1/workflows/sync/steps/claim",
+                     json={"runner": "http-1", "count": 2, "lease_seconds": 60})  # fmt: skip
+    assert claim.status_code == 200
+    steps = claim.json()["steps"]
+    assert [(s["run_id"], s["step"], s["attempt"], s["output"]) for s in steps] == [
+        (runs[0], "fetch", 1, None), (runs[1], "fetch", 1, None)]  # fmt: skip
+    assert steps[0]["params"] == {"n": 0} and steps[0]["workflow"] == "sync"
+    assert steps[0]["lease_until_ms"] > time.time() * 1000 + 50_000
+
+    # The listener's /metrics reads the stream: one step new, two taken.
+    text = httpx.get(api.base_url.join("/metrics"), timeout=10).text
+    assert 'realm_steps_waiting{state="new",workflow="sync"} 1.0' in text
+    assert 'realm_steps_waiting{state="taken",workflow="sync"} 2.0' in text
+    assert 'realm_queue_read_ok{workflow="sync"} 1.0' in text
+
+    first, second = steps
+    report = {"step": "fetch", "lease": first["lease"], "output": {"rows": 7}}
+    done = api.post(f"/v1/runs/{runs[0]}/complete", json=report)
+    assert done.json()["next_step"] == "transform"
+    # The cancelled run's late result is discarded; a wrong lease is refused.
+    api.post(f"/v1/runs/{runs[1]}/cancel")
+    late = api.post(
+        f"/v1/runs/{runs[1]}/complete", json={"step": "fetch", "lease": second["lease"]}
+    )
+    assert (late.status_code, late.json()["code"]) == (409, "STATE_RUN_NOT_LIVE")
+    third = api.post("/v1/workflows/sync/steps/claim", json={"count": 5}).json()["steps"]
+    assert [(s["run_id"], s["step"]) for s in third] == [(runs[2], "fetch"), (runs[0], "transform")]
+    assert third[1]["output"] == {"rows": 7}
+    wrong = api.post(f"/v1/runs/{runs[2]}/fail", json={"error": "x", "lease": "nope"})
+    assert (wrong.status_code, wrong.json()["code"]) == (409, "STATE_STEP_NOT_CURRENT")
+
+    retry = api.post(f"/v1/runs/{runs[2]}/fail", json={
+        "error": "flaky", "retry": True, "step": "fetch", "lease": third[0]["lease"]})  # fmt: skip
+    body = retry.json()
+    assert (body["status"], body["phase"], body["attempt"]) == ("ok", "running", 1)
+    assert body["retry_at_ms"] > 0
+    needs = api.post(f"/v1/runs/{runs[2]}/fail", json={"retry": True})
+    assert needs.json() == {"status": "error", "code": "VALIDATION_BODY",
+                            "message": "'retry' needs the fields 'step' and 'lease'"}  # fmt: skip
+    for bad in ({"count": 0}, {"count": True}, {"lease_seconds": 0}, {"runner": ""},
+                {"count": "2"}):  # fmt: skip
+        refused = api.post("/v1/workflows/sync/steps/claim", json=bad)
+        assert (refused.status_code, refused.json()["code"]) == (422, "VALIDATION_BODY"), bad
+    unknown = api.post("/v1/workflows/nope/steps/claim")
+    assert (unknown.status_code, unknown.json()["code"]) == (404, "NOT_FOUND_WORKFLOW")

@@ -36,6 +36,7 @@ import pytest
 import redis as redis_sync
 
 from gateway.keys import Keys
+from gateway.scripts import script_source
 from gateway.verify import parse_verify, sign
 from tests.listener import Listener
 from tests.senders import (
@@ -619,6 +620,9 @@ async def test_script_cache_lost_mid_load(tmp_path: Path, start_redis, how: str)
 
 # --------------------------------------------------------------------------- 6. lost reply
 
+# The claim's script: the listener's background sweep sends EVALSHAs of its own.
+START_RUN_SHA = hashlib.sha1(script_source("start_run").encode()).hexdigest().encode()
+
 
 @pytest.mark.faults
 async def test_lost_claim_reply_is_retried_and_reports_the_callers_own_run(
@@ -632,7 +636,7 @@ async def test_lost_claim_reply_is_retried_and_reports_the_callers_own_run(
         async with asyncio.timeout(60):
             with listening(tmp_path, proxy.url) as listener:
                 for event in events:
-                    proxy.drop_next_reply(b"EVALSHA")
+                    proxy.drop_next_reply(b"EVALSHA", sha=START_RUN_SHA)
                     [outcome] = await send_all(
                         listener.base_url, [event], concurrency=1, seconds=20
                     )

@@ -28,6 +28,7 @@ UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 TOOLS = {
     "start_run",
     "start_run_batch",
+    "claim_step",
     "get_run",
     "list_runs",
     "cancel_run",
@@ -99,7 +100,7 @@ def connect(config_file: Path, redis_server: RedisServer, redis: Redis) -> Calla
     return open_session
 
 
-async def test_lists_the_seven_tools_with_typed_arguments(connect: Callable[..., Any]) -> None:
+async def test_lists_the_eight_tools_with_typed_arguments(connect: Callable[..., Any]) -> None:
     async with connect() as tools:
         listed = (await tools.session.list_tools()).tools
     by_name = {tool.name: tool for tool in listed}
@@ -116,6 +117,11 @@ async def test_lists_the_seven_tools_with_typed_arguments(connect: Callable[...,
     batch = by_name["start_run_batch"].input_schema
     assert batch["properties"]["items"]["type"] == "array"
     assert batch["properties"]["on_live_match"]["enum"] == props["on_live_match"]["enum"]
+    claim = by_name["claim_step"].input_schema
+    assert claim["required"] == ["workflow_id"]
+    assert set(claim["properties"]) == {"workflow_id", "runner", "lease_seconds"}
+    assert {"lease", "output"} <= set(by_name["complete_step"].input_schema["properties"])
+    assert {"lease", "retry", "step"} <= set(by_name["fail_run"].input_schema["properties"])
     assert by_name["list_runs"].input_schema["properties"]["phase"]["anyOf"][0]["enum"] == [
         "running", "completed", "failed", "cancelled",
     ]  # fmt: skip
@@ -416,3 +422,108 @@ async def test_keys_and_errors_cannot_forge_reply_lines(connect: Callable[..., A
     assert batch.split("\n")[2] == f"{escaped}  run {run_id}  deduped: true"
     assert refused.startswith("status: error\nNOT_FOUND_WORKFLOW: Workflow 'x\\nstatus: ok")
     assert "\nIdempotency key: order 4417/é\n" in plain_shown
+
+
+TIME = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00"
+
+
+def claimed(text: str) -> dict[str, str]:
+    """A claim_step reply, checked line by line: its fields by name."""
+    found = re.fullmatch(
+        rf"status: ok\nrun_id: (?P<run_id>{UUID})\nstep: (?P<step>\S+)\n"
+        rf"attempt: (?P<attempt>\d+)\nlease: (?P<lease>\S+)\nlease_until: (?P<until>{TIME})\n"
+        r"params: (?P<params>[^\n]*)\noutput: (?P<output>[^\n]*)\n"
+        r"Step '(?P=step)' of run '(?P=run_id)' is yours until (?P=until); report it with "
+        r"complete_step or fail_run, passing lease\.",
+        text,
+    )
+    assert found, text
+    return found.groupdict()
+
+
+async def test_an_agent_is_a_runner(connect: Callable[..., Any]) -> None:
+    """claim_step hands out a step with a lease; complete_step with the lease and an
+    output moves the run on, and the next claim carries that output; a failed attempt
+    with retry waits out its backoff (nothing is ready meanwhile)."""
+    async with connect() as tools:
+        assert await tools.ok("claim_step", workflow_id="sync") == (
+            "status: ok\nNo step of workflow 'sync' is ready."
+        )
+        run_id = await tools.start(workflow_id="deploy", idempotency_key="push-9",
+                                   params={"repo": "acme/app", "sha": "abc1234"})  # fmt: skip
+        first = claimed(await tools.ok("claim_step", workflow_id="deploy", runner="agent-1",
+                                       lease_seconds=60))  # fmt: skip
+        assert (first["run_id"], first["step"], first["attempt"]) == (run_id, "fetch", "1")
+        assert (first["params"], first["output"]) == ('{"repo":"acme/app","sha":"abc1234"}', "null")
+        # The step is held: no one else gets it while the lease runs.
+        assert await tools.ok("claim_step", workflow_id="deploy") == (
+            "status: ok\nNo step of workflow 'deploy' is ready."
+        )
+        output = {"files": 3, "note": "a\u2028b"}
+        done = await tools.ok("complete_step", run_id=run_id, step="fetch",
+                              lease=first["lease"], output=output)  # fmt: skip
+        assert done == (
+            f"status: ok\nrun_id: {run_id}\nphase: running\n"
+            "Step 'fetch' done. Ready for the agent: 'build'."
+        )
+        second = claimed(await tools.ok("claim_step", workflow_id="deploy"))
+        assert (second["step"], second["attempt"]) == ("build", "1")
+        assert second["output"] == '{"files":3,"note":"a\\u2028b"}'  # one line, escaped
+        assert second["lease"] != first["lease"]
+
+        retry = await tools.ok("fail_run", run_id=run_id, step="build", lease=second["lease"],
+                               retry=True, error="compiler crashed")  # fmt: skip
+        found = re.fullmatch(
+            rf"status: ok\nrun_id: {run_id}\nphase: running\nattempt: 1\nretry_at: ({TIME})\n"
+            r"Attempt 1 of step 'build' failed; the step is ready again at \1\.",
+            retry,
+        )
+        assert found, retry
+        assert await tools.ok("claim_step", workflow_id="deploy") == (
+            "status: ok\nNo step of workflow 'deploy' is ready."
+        )
+        needs = await tools.refused("fail_run", run_id=run_id, retry=True, error="x")
+        assert (
+            needs
+            == "status: error\nVALIDATION_PARAMS: fail_run: retry needs the step and its lease"
+        )
+        bad = await tools.refused("claim_step", workflow_id="deploy", lease_seconds=0)
+        assert bad.startswith("status: error\nVALIDATION_PARAMS: claim_step: lease_seconds: ")
+        unknown = await tools.refused("claim_step", workflow_id="nope")
+        assert unknown.startswith("status: error\nNOT_FOUND_WORKFLOW: ")
+
+
+async def test_late_results_are_discarded_with_the_existing_codes(
+    connect: Callable[..., Any],
+) -> None:
+    async with connect() as tools:
+        cancelled = await tools.start(workflow_id="sync", idempotency_key="c")
+        taken = claimed(await tools.ok("claim_step", workflow_id="sync"))
+        assert taken["run_id"] == cancelled
+        assert await tools.ok("cancel_run", run_id=cancelled) == "status: ok\ncancelled: 1"
+        late = await tools.refused("complete_step", run_id=cancelled, step="fetch",
+                                   lease=taken["lease"], output=[1])  # fmt: skip
+        assert late == (
+            f"status: error\nSTATE_RUN_NOT_LIVE: Run '{cancelled}' is not live "
+            "(phase 'cancelled'); the result was discarded."
+        )
+        # Nothing was enqueued for the cancelled run.
+        assert await tools.ok("claim_step", workflow_id="sync") == (
+            "status: ok\nNo step of workflow 'sync' is ready."
+        )
+
+        live = await tools.start(workflow_id="sync", idempotency_key="l")
+        taken = claimed(await tools.ok("claim_step", workflow_id="sync"))
+        lost = (
+            f"status: error\nSTATE_STEP_NOT_CURRENT: Another runner holds a newer lease on "
+            f"step 'fetch' of run '{live}'; the result was discarded."
+        )
+        assert await tools.refused("complete_step", run_id=live, step="fetch",
+                                   lease="not-the-lease") == lost  # fmt: skip
+        refused = await tools.refused("fail_run", run_id=live, lease="not-the-lease", error="x")
+        assert refused.startswith("status: error\nSTATE_STEP_NOT_CURRENT: ")
+        assert "Phase: running" in await tools.ok("get_run", run_id=live)
+        # The holder of the lease still reports it.
+        assert await tools.ok("fail_run", run_id=live, lease=taken["lease"], error="no") == (
+            f"status: ok\nrun_id: {live}\nphase: failed\nRun '{live}' failed."
+        )
