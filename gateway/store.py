@@ -922,8 +922,9 @@ class RunStore:
 # STORE_UNAVAILABLE with Retry-After, never 500. BUSY: a script or function is running
 # past its time limit; TRYAGAIN/CLUSTERDOWN: a cluster in the middle of a change;
 # NOREPLICAS: min-replicas-to-write not met; MISCONF: a failed save blocks writes.
+# "BUSY " with its space: BUSYGROUP (a consumer group that exists) is no "not now".
 NOT_NOW_PREFIXES = (
-    "BUSY", "LOADING", "READONLY", "MASTERDOWN", "MISCONF", "OOM", "TRYAGAIN",
+    "BUSY ", "LOADING", "READONLY", "MASTERDOWN", "MISCONF", "OOM", "TRYAGAIN",
     "CLUSTERDOWN", "NOREPLICAS",
 )  # fmt: skip
 _NOT_NOW = (

@@ -199,3 +199,19 @@ async def test_steps_of_a_partitioned_workflow_are_taken_from_every_partition(
         if taken == started:
             break
     assert taken == started
+
+
+async def test_a_second_runner_process_finds_the_group_there(
+    redis: Redis, job_config: Config
+) -> None:
+    """The group exists (BUSYGROUP): not Redis's BUSY, so a second store takes steps."""
+    first, second = (RunStore(redis, job_config, timeout=5.0) for _ in range(2))
+    run = await first.start_run("job", {})
+    assert await first.take_steps("job", "r1") != []
+    await first.complete_step(run.run_id, "fetch", lease=(await _lease_of(redis, run.run_id)))
+    [taken] = await second.take_steps("job", "r2")
+    assert (taken.run_id, taken.step) == (run.run_id, "build")
+
+
+async def _lease_of(redis: Redis, run_id: str) -> str:
+    return (await redis.hget(Keys("realm", "job").run(run_id), "lease")).decode()
