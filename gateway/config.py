@@ -36,8 +36,8 @@ RETENTION = re.compile(r"^([1-9][0-9]*)([dhms])$")
 RETENTION_UNIT_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 DEFAULT_RETENTION = "7d"
 WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "partitions",
-                   "description", "max_attempts", "retry_backoff", "lease"}  # fmt: skip
-WORKFLOW_FIELDS.add("handlers")  # step handlers for `realm work` (gateway/handlers.py)
+                   "description", "max_attempts", "retry_backoff", "lease",
+                   "handlers"}  # handlers: for `realm work` (gateway/handlers.py)  # fmt: skip
 # A busy workflow's keys may be spread over this many hash tags ({wf#0} … {wf#N-1}).
 MAX_PARTITIONS = 1024
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}

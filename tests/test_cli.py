@@ -160,8 +160,8 @@ def test_unknown_workflow_and_run(cli):
          "$.type: 'objekt' is not valid under any of the given schemas"),
         ("version: 1\nworkflows:\n  w:\n    stepz: [a]\n",
          "triggers.yaml: workflow 'w': field 'stepz': unknown field; allowed: "
-         "['description', 'params_schema', 'partitions', 'retention', 'steps',"
-         " 'stream_retention']"),
+         "['description', 'handlers', 'lease', 'max_attempts', 'params_schema', 'partitions',"
+         " 'retention', 'retry_backoff', 'steps', 'stream_retention']"),
         ("version: 2\nworkflows: {}\n", "triggers.yaml: field 'version' must be 1 (got 2)"),
         ("version: 1\nworkflows: [\n", "triggers.yaml: not valid YAML at line 3, column 1"),
     ],
