@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import hiredis
 from redis import exceptions as redis_errors
-from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.commands.core import AsyncScript
 
 from gateway.durability import FSYNC_SLICE, check_confirmed, confirm_command, is_confirmed
+from gateway.reply_errors import error_of
 
 if TYPE_CHECKING:
     from gateway.cluster_pipeline import ClusterPipeline
@@ -315,10 +315,9 @@ class _Connection(asyncio.Protocol):
         self.timeout = timeout
         self.closed = False
         self._transport: asyncio.Transport | None = None
-        # Error replies become redis-py's exception classes through redis-py's own
-        # mapping (a private module, but the classes the store catches are its own).
+        # Error replies become redis-py's public exception classes (reply_errors.py).
         self._reader = hiredis.Reader(
-            protocolError=redis_errors.InvalidResponse, replyError=BaseParser.parse_error
+            protocolError=redis_errors.InvalidResponse, replyError=error_of
         )
         # One entry per command sent or about to be, oldest first: its future and
         # the loop time by which its reply is due.
