@@ -25,6 +25,8 @@ from gateway.verify import describe
 
 # How long SIGTERM waits for in-flight deliveries before closing connections.
 GRACEFUL_SHUTDOWN_SECONDS = 30
+# How long an idle keep-alive connection is kept open (uvicorn's default is 5 s).
+KEEP_ALIVE_SECONDS = 75
 
 log = logging.getLogger("realm")
 
@@ -94,6 +96,10 @@ def serve(
             http="gateway.edge:BoundedHttpToolsProtocol",
             access_log=False,  # the app logs one JSON line per delivery instead
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            # Longer than a load balancer's idle timeout (AWS ALB: 60 s): else the
+            # gateway may close an idle connection just as the balancer (or a sender
+            # reusing it) writes a request on it, which then fails unanswered.
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
             server_header=False,
             # Client addresses are never used, so skip uvicorn's X-Forwarded-For
             # rewriting on every request.
