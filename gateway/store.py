@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from gateway.cluster_client import ping_every_primary
-from gateway.config import Config
+from gateway.config import Config, Workflow
 from gateway.durability import confirmed_script
 from gateway.errors import ConfigError, RealmError, StoreUnavailable
 from gateway.keys import Keys, partition_keys, partition_of, partition_of_run, run_id_in
@@ -557,9 +557,7 @@ class RunStore:
         by the store or by a caller passing the same id within a few minutes, reports
         what the first attempt did."""
         output_json = "" if output is None else _encode_output(output)
-        run = await self.get_run(run_id)
-        wf = self.config.workflow(run.workflow)
-        keys = self.keys_for_run(run.workflow, run_id)
+        run, wf, keys = await self._located(run_id)
         op = keys.op(_op_id(op_id))
         script_keys = [keys.run(run_id), keys.stream(), op, *self._key_keys(keys, run)]
         argv = [run_id, step, wf.retention_ms, lease or "", output_json, entry_id]
@@ -699,9 +697,7 @@ class RunStore:
         (the workflow's ``max_attempts``), the step is taken again after a backoff
         (``retry_backoff``, doubling each attempt, at most 5 minutes); after the last,
         the run fails with the error. Discarded like complete_step's results."""
-        run = await self.get_run(run_id)
-        wf = self.config.workflow(run.workflow)
-        keys = self.keys_for_run(run.workflow, run_id)
+        run, wf, keys = await self._located(run_id)
         script_keys = [keys.run(run_id), keys.stream(), keys.op(_op_id(op_id)),
                        *self._key_keys(keys, run)]  # fmt: skip
         argv = [run_id, step, wf.retention_ms, lease, error[:MAX_ERROR_CHARS], wf.max_attempts,
@@ -722,9 +718,7 @@ class RunStore:
         """Keep a step in hand (a heartbeat): the lease lasts ``lease_ms`` (by default the
         workflow's ``lease``) from now. Returns the new deadline (server ms); refused
         like complete_step when the step is no longer this runner's."""
-        run = await self.get_run(run_id)
-        wf = self.config.workflow(run.workflow)
-        keys = self.keys_for_run(run.workflow, run_id)
+        _, wf, keys = await self._located(run_id)
         ms = wf.lease_ms if lease_ms is None else lease_ms
         async with self.deadline():
             reply = await self._retrying(
@@ -847,9 +841,7 @@ class RunStore:
     async def _end_run(
         self, run_id: str, phase: str, error: str, op_id: str | None, lease: str
     ) -> tuple[str, str]:
-        run = await self.get_run(run_id)
-        wf = self.config.workflow(run.workflow)
-        keys = self.keys_for_run(run.workflow, run_id)
+        run, wf, keys = await self._located(run_id)
         script_keys = [keys.run(run_id), keys.op(_op_id(op_id)), keys.stream(),
                        *self._key_keys(keys, run)]  # fmt: skip
         argv = [run_id, phase, wf.retention_ms, error, lease]
@@ -861,6 +853,12 @@ class RunStore:
         if outcome == "not_found":
             raise _run_not_found(run_id)
         return outcome, final
+
+    async def _located(self, run_id: str) -> tuple[Run, Workflow, Keys]:
+        """A run, its workflow and its partition's keys: what every call on a run by id
+        needs (the workflow is known only from the run)."""
+        run = await self.get_run(run_id)
+        return run, self.config.workflow(run.workflow), self.keys_for_run(run.workflow, run_id)
 
     async def _run_script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
         if self._pipeline is not None:
