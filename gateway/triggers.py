@@ -276,17 +276,22 @@ class _TriggerParser:
         )
 
     def replay_guard(self, raw: dict[object, object]) -> bool:
-        """On by default for `github`, which signs the body alone: a captured delivery
-        sent again with a new X-GitHub-Delivery must not start new work. Off by default
-        for `hmac`, `token` and `none`, whose senders may send one body for several
-        events (a cron ping). `stripe` and `standard` sign a timestamp and the event id,
+        """On by default for `github` and `shopify`, which sign the body alone and send
+        the event id in a header they do not sign (X-GitHub-Delivery,
+        X-Shopify-Webhook-Id): a captured delivery sent again with a new id must not
+        start new work. Off by default for `hmac` (with or without a timestamp: where
+        its event id comes from is the trigger's choice), `token` and `none`, whose
+        senders may send one body for several events (a cron ping), and for `gitlab`,
+        whose token travels in every delivery: whoever can replay one can forge any,
+        so the guard would buy nothing. `stripe`, `standard` and `slack` sign a
+        timestamp and the event id (Stripe's and Slack's ids are in the signed body),
         so their replays are refused by verification already."""
         verify = raw.get("verify")
         scheme = verify.get("scheme") if isinstance(verify, dict) else None
-        value = raw.get("replay_guard", scheme == "github")
+        value = raw.get("replay_guard", scheme in ("github", "shopify"))
         if not isinstance(value, bool):
             self.fail("replay_guard", f"must be true or false, not {_show(value)}")
-        if value and scheme in ("stripe", "standard"):
+        if value and scheme in ("stripe", "standard", "slack"):
             self.fail(
                 "replay_guard",
                 f"is not needed with scheme {scheme}: it signs a timestamp and the event id",

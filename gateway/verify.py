@@ -4,6 +4,10 @@ Pure code: no I/O, no clock, no logging. The caller passes the environment to
 ``parse_verify`` and the current time to ``verify``/``sign`` so that tests can
 pin both. Secret values live only in ``VerifySpec.secrets`` and the derived key
 bytes; neither appears in a repr, an error message or a rejection reason.
+
+``slack``, ``shopify`` and ``gitlab`` are presets: a fixed ``hmac`` or ``token``
+configuration under the sender's name, so a trigger cannot get one of its
+header names, encodings or signed strings wrong.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import binascii
 import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from secrets import token_hex
 from typing import Literal, Protocol, get_args
 
@@ -31,7 +35,9 @@ __all__ = [
     "verify",
 ]
 
-Scheme = Literal["github", "stripe", "standard", "hmac", "token", "none"]
+Scheme = Literal[
+    "github", "stripe", "standard", "hmac", "token", "none", "slack", "shopify", "gitlab"
+]
 Algorithm = Literal["sha256", "sha1", "sha512"]
 Encoding = Literal["hex", "base64"]
 
@@ -48,9 +54,50 @@ _ALLOWED_KEYS: dict[str, tuple[str, ...]] = {
     "github": ("scheme", "secret_env"),
     "stripe": ("scheme", "secret_env", "tolerance"),
     "standard": ("scheme", "secret_env", "tolerance"),
-    "hmac": ("scheme", "secret_env", "header", "algorithm", "encoding", "prefix"),
+    "hmac": (
+        "scheme",
+        "secret_env",
+        "header",
+        "algorithm",
+        "encoding",
+        "prefix",
+        "timestamp_header",
+        "signed_payload",
+        "tolerance",
+    ),
     "token": ("scheme", "secret_env", "header"),
     "none": ("scheme",),
+    "slack": ("scheme", "secret_env", "tolerance"),
+    "shopify": ("scheme", "secret_env"),
+    "gitlab": ("scheme", "secret_env"),
+}
+
+# Schemes checked as an HMAC of a signed payload built from the body (and a
+# timestamp): `hmac` as configured, the presets as their senders document them.
+_HMAC_SCHEMES = ("hmac", "slack", "shopify")
+
+# What each preset fixes, from the senders' documentation: Slack, "Verifying
+# requests from Slack" (HMAC-SHA256 of `v0:<timestamp>:<body>`, hex, `v0=`, five
+# minutes); Shopify, "Verify webhook deliveries" (HMAC-SHA256 of the raw body,
+# base64); GitLab, "Webhooks" (the secret token itself in X-Gitlab-Token).
+_PRESETS: dict[str, dict[str, str | None]] = {
+    "slack": {
+        "header": "X-Slack-Signature",
+        "algorithm": "sha256",
+        "encoding": "hex",
+        "prefix": "v0=",
+        "timestamp_header": "X-Slack-Request-Timestamp",
+        "signed_payload": "v0:{timestamp}:{body}",
+    },
+    "shopify": {
+        "header": "X-Shopify-Hmac-Sha256",
+        "algorithm": "sha256",
+        "encoding": "base64",
+        "prefix": "",
+        "timestamp_header": None,
+        "signed_payload": "{body}",
+    },
+    "gitlab": {"header": "X-Gitlab-Token"},
 }
 
 # Header names as the senders spell them (for messages and ``sign``), and the
@@ -66,12 +113,28 @@ _STRIPE_KEY = _STRIPE_HEADER.lower()
 _STD_ID = "webhook-id"
 _STD_TIMESTAMP = "webhook-timestamp"
 _STD_SIGNATURE = "webhook-signature"
+# Svix sends Standard Webhooks under its own names (the same headers with a
+# `svix-` prefix, unless a customer has them renamed to `webhook-`).
+_STD_ALIASES = (
+    (_STD_ID, "svix-id"),
+    (_STD_TIMESTAMP, "svix-timestamp"),
+    (_STD_SIGNATURE, "svix-signature"),
+)
 _WHSEC = "whsec_"
 
 # What secret_env entries may look like (a POSIX-style variable name).
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # RFC 9110 token characters: what a header field name may contain.
 _TCHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+# A placeholder of `signed_payload`, and the ones there are.
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+_PAYLOAD_FIELDS = ("timestamp", "body")
+_BODY_ONLY = "{body}"
+_TIMESTAMP_DOT_BODY = "{timestamp}.{body}"
+
+# One piece of a signed payload: ("text", literal bytes), ("timestamp", b"") or
+# ("body", b""); the placeholders are filled per delivery.
+_Piece = tuple[str, bytes]
 
 
 class HeaderLookup(Protocol):
@@ -89,7 +152,9 @@ class VerifySpec:
     """How one trigger authenticates deliveries.
 
     ``secrets`` and every derived key are excluded from ``repr`` so that a spec
-    can be logged or shown in a traceback without leaking anything.
+    can be logged or shown in a traceback without leaking anything. For the
+    presets (``slack``, ``shopify``, ``gitlab``) the header, encoding and signed
+    payload fields hold the sender's values once constructed.
     """
 
     scheme: Scheme
@@ -100,13 +165,28 @@ class VerifySpec:
     algorithm: Algorithm = "sha256"
     encoding: Encoding = "hex"
     prefix: str = ""
+    # hmac only: the header carrying a Unix timestamp (seconds), checked against
+    # `tolerance`, and what is signed: a template over {timestamp} and {body}.
+    timestamp_header: str | None = None
+    signed_payload: str | None = None
     # Derived in __post_init__ so verify() does no per-request decoding: the HMAC
     # key bytes for each secret (for `standard`, the base64-decoded key; for
-    # `token`, the expected header bytes) and the lower-case header name.
+    # `token`, the expected header bytes), the lower-case header names and the
+    # signed payload's pieces.
     keys: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     header_key: str = field(init=False, repr=False, compare=False)
+    timestamp_key: str = field(init=False, repr=False, compare=False)
+    payload: tuple[_Piece, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # frozen=True forbids normal assignment; everything set here is either a
+        # preset's fixed value or a pure function of the public fields, so setting
+        # it once keeps the spec immutable.
+        for name, value in _PRESETS.get(self.scheme, {}).items():
+            given = getattr(self, name)
+            if given != value and given != _FIELD_DEFAULTS[name]:
+                raise ValueError(f"scheme {self.scheme} fixes {name} itself")
+            object.__setattr__(self, name, value)
         if self.scheme == "standard":
             keys: list[bytes] = []
             for secret in self.secrets:
@@ -122,10 +202,63 @@ class VerifySpec:
             raise ValueError(f"scheme {self.scheme} needs a header")
         if self.scheme != "none" and not self.secrets:
             raise ValueError(f"scheme {self.scheme} needs at least one secret")
-        # frozen=True forbids normal assignment; these are pure functions of the
-        # public fields, so setting them once here keeps the spec immutable.
+        payload: tuple[_Piece, ...] = ()
+        if self.scheme in _HMAC_SCHEMES:
+            if self.signed_payload is None:
+                template = _TIMESTAMP_DOT_BODY if self.timestamp_header else _BODY_ONLY
+                object.__setattr__(self, "signed_payload", template)
+            payload = _compile_payload(self.signed_payload or "", bool(self.timestamp_header))
         object.__setattr__(self, "keys", derived)
         object.__setattr__(self, "header_key", (self.header or "").lower())
+        object.__setattr__(self, "timestamp_key", (self.timestamp_header or "").lower())
+        object.__setattr__(self, "payload", payload)
+
+
+# What a preset's field holds when the caller left it alone.
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(VerifySpec) if f.init}
+
+
+def _compile_payload(template: str, timestamped: bool) -> tuple[_Piece, ...]:
+    """Split a ``signed_payload`` template into pieces; ValueError says what is wrong."""
+    pieces: list[_Piece] = []
+    seen: list[str] = []
+    pos = 0
+
+    def literal(text: str) -> None:
+        if "{" in text or "}" in text:
+            raise ValueError(
+                "has a '{' or '}' outside a placeholder; the placeholders are "
+                "{timestamp} and {body}"
+            )
+        if text:
+            pieces.append(("text", text.encode("utf-8")))
+
+    for match in _PLACEHOLDER.finditer(template):
+        literal(template[pos : match.start()])
+        name = match.group(1)
+        if name not in _PAYLOAD_FIELDS:
+            raise ValueError(
+                f"unknown placeholder {{{name}}}; the placeholders are {{timestamp}} and {{body}}"
+            )
+        if name in seen:
+            raise ValueError(f"has {{{name}}} twice")
+        seen.append(name)
+        pieces.append((name, b""))
+        pos = match.end()
+    literal(template[pos:])
+    if "body" not in seen:
+        raise ValueError("must contain {body}")
+    if timestamped and "timestamp" not in seen:
+        # An unsigned timestamp proves nothing: anyone could put a fresh one on
+        # a captured delivery, and the tolerance check would pass.
+        raise ValueError(
+            "must contain {timestamp}: the timestamp_header's value counts only if it is signed"
+        )
+    if not timestamped and "timestamp" in seen:
+        raise ValueError(
+            "uses {timestamp}, which needs timestamp_header (the header that carries it)"
+        )
+    return tuple(pieces)
 
 
 # --------------------------------------------------------------------------- parse
@@ -211,6 +344,15 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
             )
         tolerance = tol
 
+    if scheme in _PRESETS:
+        # Everything else is fixed by the preset (VerifySpec fills it in).
+        return VerifySpec(
+            scheme=scheme,  # type: ignore[arg-type]  # narrowed by the SCHEMES check
+            secret_env=names,
+            secrets=tuple(secret_values),
+            tolerance=tolerance,
+        )
+
     header: str | None = None
     if scheme in ("hmac", "token"):
         if "header" not in raw:
@@ -220,9 +362,7 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
                 f"is required for scheme {scheme} (the header carrying the "
                 f"{'signature' if scheme == 'hmac' else 'token'}, e.g. {example})",
             )
-        header = raw["header"]
-        if not isinstance(header, str) or not header or not set(header) <= _TCHARS:
-            raise fail("verify.header", f"must be a header name, got {header!r}")
+        header = _parse_header(raw["header"], "verify.header", fail)
 
     algorithm = raw.get("algorithm", "sha256")
     if algorithm not in ALGORITHMS:
@@ -240,6 +380,11 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
     if not isinstance(prefix, str):
         raise fail("verify.prefix", f"must be a string such as 'sha256=', got {prefix!r}")
 
+    timestamp_header: str | None = None
+    signed_payload: str | None = None
+    if scheme == "hmac":
+        timestamp_header, signed_payload = _parse_signed_payload(raw, header, fail)
+
     return VerifySpec(
         scheme=scheme,  # type: ignore[arg-type]  # narrowed by the SCHEMES check
         secret_env=names,
@@ -249,7 +394,49 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
         algorithm=algorithm,
         encoding=encoding,
         prefix=prefix,
+        timestamp_header=timestamp_header,
+        signed_payload=signed_payload,
     )
+
+
+def _parse_signed_payload(
+    raw: Mapping[str, object], header: str | None, fail: _Fail
+) -> tuple[str | None, str | None]:
+    """`timestamp_header` and `signed_payload` of scheme hmac; a `tolerance` without a
+    timestamp_header is refused (it would check nothing)."""
+    timestamp_header: str | None = None
+    if "timestamp_header" in raw:
+        timestamp_header = _parse_header(raw["timestamp_header"], "verify.timestamp_header", fail)
+        if timestamp_header.lower() == (header or "").lower():
+            raise fail(
+                "verify.timestamp_header",
+                f"must differ from header ({header}): the timestamp and the signature "
+                "travel in two headers",
+            )
+    elif "tolerance" in raw:
+        raise fail(
+            "verify.tolerance",
+            "applies only with timestamp_header: scheme hmac signs no timestamp without it",
+        )
+    if "signed_payload" not in raw:
+        return timestamp_header, None
+    signed_payload = raw["signed_payload"]
+    if not isinstance(signed_payload, str):
+        raise fail(
+            "verify.signed_payload",
+            f"must be a string such as '{_TIMESTAMP_DOT_BODY}', got {signed_payload!r}",
+        )
+    try:
+        _compile_payload(signed_payload, timestamp_header is not None)
+    except ValueError as exc:
+        raise fail("verify.signed_payload", f"{exc} (got {signed_payload!r})") from None
+    return timestamp_header, signed_payload
+
+
+def _parse_header(value: object, fld: str, fail: _Fail) -> str:
+    if not isinstance(value, str) or not value or not set(value) <= _TCHARS:
+        raise fail(fld, f"must be a header name, got {value!r}")
+    return value
 
 
 def _parse_secret_env(value: object, fail: _Fail) -> tuple[str, ...]:
@@ -418,13 +605,40 @@ def _verify_stripe(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: fl
     raise _Reject("signature mismatch")
 
 
+def _standard_headers(headers: HeaderLookup) -> list[tuple[str, str]]:
+    """The id, timestamp and signature (each with the name it came under), sent under
+    the `webhook-` names or Svix's `svix-` ones.
+
+    Each pair is one header under two names. A value sent under both must be the
+    same: otherwise a trigger reading its event id from the name that was not
+    verified (an added `webhook-id` beside a signed `svix-id`) would take an id
+    nobody signed, and a replay could start new work under it.
+    """
+    found = [(headers.getlist(std), headers.getlist(svix)) for std, svix in _STD_ALIASES]
+    # A sender that uses the svix- names alone is told about those in messages.
+    svix_only = any(s for _, s in found) and not any(w for w, _ in found)
+    found_fields: list[tuple[str, str]] = []
+    for (std, svix), (std_values, svix_values) in zip(_STD_ALIASES, found, strict=True):
+        if std_values and svix_values:
+            value = _only(std_values, std)
+            if _only(svix_values, svix) != value:
+                raise _Reject(f"headers {std} and {svix} differ")
+            found_fields.append((value, std))
+        elif svix_values:
+            found_fields.append((_only(svix_values, svix), svix))
+        else:
+            label = svix if svix_only else std
+            found_fields.append((_only(std_values, label), label))
+    return found_fields
+
+
 def _verify_standard(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
-    msg_id = _single(headers, _STD_ID, _STD_ID)
-    timestamp_text = _single(headers, _STD_TIMESTAMP, _STD_TIMESTAMP)
-    signature = _single(headers, _STD_SIGNATURE, _STD_SIGNATURE)
+    (msg_id, _), (timestamp_text, timestamp_label), (signature, signature_label) = (
+        _standard_headers(headers)
+    )
     timestamp = _digits(timestamp_text)
     if timestamp is None:
-        raise _Reject(f"malformed header {_STD_TIMESTAMP}")
+        raise _Reject(f"malformed header {timestamp_label}")
     candidates: list[bytes] = []
     for entry in signature.split():
         version, sep, sig = entry.partition(",")
@@ -433,7 +647,7 @@ def _verify_standard(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: 
         if sep and version == "v1":
             candidates.append(_raw(sig))
     if not candidates:
-        raise _Reject(f"no v1 signature in {_STD_SIGNATURE}")
+        raise _Reject(f"no v1 signature in {signature_label}")
     _check_time(timestamp, now, spec.tolerance)
     message = _raw(msg_id) + b"." + _raw(timestamp_text) + b"." + body
     for key in spec.keys:
@@ -443,6 +657,7 @@ def _verify_standard(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: 
 
 
 def _verify_hmac(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`hmac`, `slack` and `shopify`: one signature header, maybe a timestamp header."""
     label = spec.header or ""
     value = _single(headers, spec.header_key, label)
     if not value.startswith(spec.prefix):
@@ -452,13 +667,23 @@ def _verify_hmac(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: floa
         # Hex case carries no information; senders differ, so compare lower-case.
         text = text.lower()
     candidate = _raw(text)
+    timestamp = b""
+    if spec.timestamp_header:
+        timestamp_text = _single(headers, spec.timestamp_key, spec.timestamp_header)
+        seconds = _digits(timestamp_text)
+        if seconds is None:
+            raise _Reject(f"malformed header {spec.timestamp_header}")
+        # Cheap and keyless, so before any HMAC (as for stripe).
+        _check_time(seconds, now, spec.tolerance)
+        timestamp = timestamp_text.encode("ascii")
     for key in spec.keys:
-        if hmac.compare_digest(candidate, _encode_digest(spec, key, body)):
+        if hmac.compare_digest(candidate, _encode_digest(spec, key, body, timestamp)):
             return None
     raise _Reject("signature mismatch")
 
 
 def _verify_token(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`token` and `gitlab`: the header holds the shared token itself."""
     label = spec.header or ""
     candidate = _raw(_single(headers, spec.header_key, label))
     # Compare against every secret, without stopping at a match, so the timing
@@ -482,11 +707,21 @@ _VERIFIERS = {
     "hmac": _verify_hmac,
     "token": _verify_token,
     "none": _verify_none,
+    "slack": _verify_hmac,
+    "shopify": _verify_hmac,
+    "gitlab": _verify_token,
 }
 
 
-def _encode_digest(spec: VerifySpec, key: bytes, body: bytes) -> bytes:
-    digest = hmac.digest(key, body, spec.algorithm)
+def _encode_digest(spec: VerifySpec, key: bytes, body: bytes, timestamp: bytes) -> bytes:
+    if spec.payload == (("body", b""),):
+        # The usual case (the body alone): one call, and the body is not copied.
+        digest = hmac.digest(key, body, spec.algorithm)
+    else:
+        mac = hmac.new(key, digestmod=spec.algorithm)
+        for kind, text in spec.payload:
+            mac.update(body if kind == "body" else timestamp if kind == "timestamp" else text)
+        digest = mac.digest()
     return digest.hex().encode() if spec.encoding == "hex" else base64.b64encode(digest)
 
 
@@ -517,19 +752,26 @@ def sign(
         message = _raw(msg_id) + b"." + t.encode() + b"." + body
         sig = base64.b64encode(hmac.digest(key, message, "sha256")).decode()
         return {_STD_ID: msg_id, _STD_TIMESTAMP: t, _STD_SIGNATURE: f"v1,{sig}"}
-    if spec.scheme == "hmac":
-        encoded = _encode_digest(spec, key, body).decode()
-        return {spec.header or "": spec.prefix + encoded}
-    # token: the sender puts the shared token itself in the header.
+    if spec.scheme in _HMAC_SCHEMES:
+        t = str(int(now))
+        encoded = _encode_digest(spec, key, body, t.encode()).decode()
+        headers = {spec.header or "": spec.prefix + encoded}
+        if spec.timestamp_header:
+            headers[spec.timestamp_header] = t
+        return headers
+    # token and gitlab: the sender puts the shared token itself in the header.
     return {spec.header or "": spec.secrets[0]}
 
 
 def describe(spec: VerifySpec) -> str:
     """Short label for tables, e.g. ``hmac sha256 hex X-Signature``; never a secret."""
     if spec.scheme == "hmac":
-        return f"hmac {spec.algorithm} {spec.encoding} {spec.header}"
+        label = f"hmac {spec.algorithm} {spec.encoding} {spec.header}"
+        if spec.timestamp_header:
+            label += f", timestamp {spec.timestamp_header} ±{spec.tolerance} s"
+        return label
     if spec.scheme == "token":
         return f"token {spec.header}"
-    if spec.scheme in ("stripe", "standard") and spec.tolerance != DEFAULT_TOLERANCE:
+    if spec.scheme in ("stripe", "standard", "slack") and spec.tolerance != DEFAULT_TOLERANCE:
         return f"{spec.scheme} ±{spec.tolerance} s"
     return spec.scheme
