@@ -307,6 +307,7 @@ def make_calls(n: int, scenario: str) -> tuple[list[tuple[list[str], list[Any]]]
             KEYS.key_runs(key),
             KEYS.run(new_id),  # no run named by a `need_run` reply yet
             KEYS.run(new_id),
+            KEYS.key_index(),
         ]
         argv = [
             new_id,

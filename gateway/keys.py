@@ -56,6 +56,15 @@ class Keys:
         """String: the index score the shared sweep (gateway/sweep.py) goes on from."""
         return f"{self._base}:sweep"
 
+    def key_index(self) -> str:
+        """Sorted set: every idempotency key whose pointer or run set may exist, scored by
+        the time it was last claimed (µs). Reconcile walks it; the sweep trims it."""
+        return f"{self._base}:keys"
+
+    def key_sweep(self) -> str:
+        """String: the key-index score the shared sweep goes on from."""
+        return f"{self._base}:keysweep"
+
     def pointer(self, key: str) -> str:
         """Hash: the run an idempotency key points at, with its phase and step."""
         return f"{self._base}:key:{key}"

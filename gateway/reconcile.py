@@ -1,23 +1,31 @@
 """Reconcile: check, and repair, that every key points at the newest run of its group.
 
-A key group is the ``keyruns`` set of one idempotency key. The walk goes
-through the store in SCAN batches (never KEYS, never one command over the
-whole store), so its memory stays flat however many runs there are. Repairs
-are decided inside ``repoint.lua`` from the key's run set as Redis holds it at
-that moment: a repair points a key only at the newest run of its key that exists,
-so a start racing a repair keeps its pointer, and a pointer naming a run that no
-longer exists (``dangling``) is moved to the newest one left, or removed with its
-set when none is. Every call goes through the store's retry; a resent repair
-reports what its first attempt did (its operation record).
+A key group is one idempotency key: its pointer (``realm:{wf}:key:<k>``) and its
+``keyruns`` set (``realm:{wf}:keyruns:<k>``, every run started under it). The walk
+reads the workflow's key index (``realm:{wf}:keys``, written by the claim that
+writes a pointer, trimmed by the sweep) in ZSCAN batches, so it reads that
+workflow's keys and nothing else, and its memory stays flat however many runs there
+are. Repairs are decided inside ``repoint.lua`` from the key's run set as Redis
+holds it at that moment: a repair points a key only at the newest run of its key
+that exists, so a start racing a repair keeps its pointer, and a pointer naming a
+run that no longer exists (``dangling``) is moved to the newest one left, or
+removed with its set when none is. Every call goes through the store's retry; a
+resent repair reports what its first attempt did (its operation record).
 
-On a Redis Cluster the walk SCANs every primary in turn (a SCAN cursor belongs to
-one node), and each partition of a partitioned workflow has key groups of its own.
+Keys claimed by a gateway older than the key index are not in it. ``scan=True``
+(``realm run reconcile --scan``) walks the whole keyspace instead, in SCAN batches
+(never KEYS) on the server or on every primary of a cluster in turn, and, unless it
+is a dry run, adds every key group it finds to the index: one such run after an
+upgrade (once no older gateway is left) makes the index whole.
+
+Each partition of a partitioned workflow has key groups, and a key index, of its own;
+on a Redis Cluster each index is in its partition's slot, read on its primary alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,41 +136,69 @@ async def reconcile(
     workflow: str | None = None,
     dry_run: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    scan: bool = False,
 ) -> ReconcileReport:
     """Walk every key group of one workflow (or all) and report; repair unless dry_run.
 
     ``progress`` is called after each batch with the key groups and the runs seen so far.
+    ``scan``: find the groups by a SCAN of the whole keyspace, not the key index (for
+    keys claimed before the index existed; see the module's docstring).
     """
     names = [workflow] if workflow else sorted(store.config.workflows)
     if workflow:
         store.config.workflow(workflow)
     report = ReconcileReport(dry_run=dry_run)
-    nodes = await _nodes(store)
+    nodes = await _nodes(store) if scan else []
     for name in names:
         for keys in store.partitions(name):
-            prefix = keys.key_runs("")
-            for node in nodes:
-                cursor = 0
-                while True:
-                    # One deadline per batch: the walk may take minutes, a batch never should.
-                    async with store.deadline():
-                        cursor, found = await store._retrying(
-                            lambda cursor=cursor, node=node, match=f"{prefix}*": _scan(
-                                store, node, cursor, match
-                            )
-                        )
-                        if found:
-                            groups = [g.decode() for g in found]
-                            await _check_groups(store, keys, name, groups, prefix, report)
-                        if progress:
-                            progress(report.groups, report.runs)
-                    if cursor == 0:
-                        break
+            batches = _scanned(store, keys, nodes) if scan else _indexed(store, keys)
+            async for idem_keys in batches:
+                # One deadline per batch: the walk may take minutes, a batch never should.
+                async with store.deadline():
+                    if idem_keys:
+                        await _check_groups(store, keys, name, idem_keys, report, index=scan)
+                    if progress:
+                        progress(report.groups, report.runs)
     return report
 
 
+async def _indexed(store: RunStore, keys: Keys) -> AsyncIterator[list[str]]:
+    """The keys of one partition's index, a ZSCAN batch at a time. Like SCAN, ZSCAN
+    returns every member present for the whole walk, whatever its score does (a claim
+    only moves it): a key first claimed meanwhile may be missed (its claim has just
+    written its pointer), and a member may come twice while the set grows, as with SCAN."""
+    index = keys.key_index()
+    cursor = 0
+    while True:
+        async with store.deadline():
+            cursor, found = await store._retrying(
+                lambda cursor=cursor: store.redis.zscan(index, cursor, count=SCAN_COUNT)
+            )
+        yield [text_of(member) for member, _ in found]
+        if cursor == 0:
+            return
+
+
+async def _scanned(
+    store: RunStore, keys: Keys, nodes: list[ClusterNode | None]
+) -> AsyncIterator[list[str]]:
+    """The keys of one partition whose run set exists, found by SCAN MATCH over the
+    whole keyspace of the server (or of every primary)."""
+    prefix = keys.key_runs("")
+    for node in nodes:
+        cursor = 0
+        while True:
+            async with store.deadline():
+                cursor, found = await store._retrying(
+                    lambda cursor=cursor, node=node: _scan(store, node, cursor, f"{prefix}*")
+                )
+            yield [g.decode()[len(prefix) :] for g in found]
+            if cursor == 0:
+                break
+
+
 async def _nodes(store: RunStore) -> list[ClusterNode | None]:
-    """What one walk SCANs: the server (None), or every primary of a cluster."""
+    """What one scanning walk SCANs: the server (None), or every primary of a cluster."""
     redis = store.redis
     if not isinstance(redis, RedisCluster):
         return [None]
@@ -204,19 +240,28 @@ async def _check_groups(
     store: RunStore,
     keys: Keys,
     workflow: str,
-    groups: list[str],
-    prefix: str,
+    idem_keys: list[str],
     report: ReconcileReport,
+    *,
+    index: bool = False,
 ) -> None:
-    idem_keys = [g[len(prefix) :] for g in groups]
+    """Check (and unless a dry run, repair) these keys' groups. ``index``: the keys
+    were found by a scan; a repairing walk adds them to the key index too."""
+    groups = [keys.key_runs(k) for k in idem_keys]
 
     async def read(pipe: Pipeline) -> None:
         for group, key in zip(groups, idem_keys, strict=True):
-            pipe.zrange(group, 0, -1)
+            pipe.zrange(group, 0, -1, withscores=index)
             pipe.hget(keys.pointer(key), "run")
 
     got = await _pipelined(store, read)
-    members = [[text_of(m) for m in got[2 * i]] for i in range(len(groups))]
+    read_sets = got[0::2]
+    if index:
+        # The newest member's score is the time of the key's last claim: the score the
+        # claim would have given it in the index.
+        last_claims = [int(scored[-1][1]) if scored else 0 for scored in read_sets]
+        read_sets = [[m for m, _ in scored] for scored in read_sets]
+    members = [[text_of(m) for m in read_sets[i]] for i in range(len(groups))]
     pointers = [text_of(p) if p else "" for p in got[1::2]]
 
     # Which runs still exist: ended runs expire, their set entries do not. A pointer
@@ -271,11 +316,17 @@ async def _check_groups(
 
     if report.dry_run:
         return
-    if prunes:
+    indexed: dict[str, int] = {}
+    if index:
+        indexed = {k: t for k, t in zip(idem_keys, last_claims, strict=True) if t}
+    if prunes or indexed:
 
         async def prune(pipe: Pipeline) -> None:
             for group, gone in prunes:
                 pipe.zrem(group, *gone)
+            if indexed:
+                # NX: a claim since the read has given the key a later score.
+                pipe.zadd(keys.key_index(), indexed, nx=True)
 
         await _pipelined(store, prune)
     await _repair(store, keys, repairs, report)

@@ -1,5 +1,6 @@
 """Reconcile against a real server: dry run, repair, idempotence, racing starts,
-dangling pointers and a lost repair reply."""
+dangling pointers, a lost repair reply, and the key index it walks (what the claim
+writes there, what a walk reads, the --scan walk for keys from before the index)."""
 
 from __future__ import annotations
 
@@ -342,3 +343,177 @@ async def test_a_start_between_the_walks_reads_keeps_its_pointer_and_one_live_ru
         (second.run_id, "cancelled"),
         (first.run_id, "cancelled"),
     ]
+
+
+# -- the key index (issue #13): a walk reads its workflow's keys, not the keyspace ----------
+
+PARTITIONED = """
+version: 1
+workflows:
+  hot:
+    steps: [go]
+    partitions: 4
+"""
+
+
+async def _key_index(redis: Redis, keys: Keys = KEYS) -> dict[str, int]:
+    return {m.decode(): int(s) for m, s in await redis.zrange(keys.key_index(), 0, -1,
+                                                              withscores=True)}  # fmt: skip
+
+
+async def _calls(redis: Redis) -> dict[str, int]:
+    """Commands the server ran since the last CONFIG RESETSTAT, by name."""
+    stats = await redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
+
+
+async def test_every_claim_that_writes_a_pointer_indexes_its_key_at_the_claims_time(
+    store: RunStore, redis: Redis
+):
+    before = await redis.time()
+    a = await store.start_run("sync", {}, "a")
+    await store.start_run("sync", {})  # no key: nothing to index
+    await store.start_run_batch(
+        "sync", [{"idempotency_key": "b"}, {"idempotency_key": "c"}, {"idempotency_key": "a"}]
+    )
+    await store.start_run("deploy", {"repo": "o/r", "sha": "abcdef0"}, "d")
+    first = await _key_index(redis)
+    assert set(first) == {"a", "b", "c"}
+    assert set(await _key_index(redis, Keys("realm", "deploy"))) == {"d"}
+    # Scored like the run index: the server's time in µs at the claim.
+    assert first["a"] >= before[0] * 1_000_000 + before[1]
+    assert first["a"] == int(await redis.zscore(KEYS.key_runs("a"), a.run_id))
+    # A repeat that starts nothing writes nothing; a rerun claims the key again.
+    assert (await store.start_run("sync", {}, "a")).deduped
+    await store.cancel_run(a.run_id)
+    rerun = await store.start_run("sync", {}, "a", on_terminal_match="rerun")
+    second = await _key_index(redis)
+    assert second["a"] == int(await redis.zscore(KEYS.key_runs("a"), rerun.run_id)) > first["a"]
+    assert {k: second[k] for k in "bc"} == {k: first[k] for k in "bc"}
+
+
+async def test_a_partitioned_workflow_indexes_each_key_in_its_partition(redis: Redis):
+    from gateway.config import parse_config
+
+    hot = RunStore(redis, parse_config(PARTITIONED, with_triggers=False), timeout=5.0)
+    names = [f"key-{i}" for i in range(20)]
+    for name in names[:10]:
+        await hot.start_run("hot", {}, name)
+    await hot.start_run_batch("hot", [{"idempotency_key": n} for n in names[10:]])
+    indexed = {}
+    for keys in hot.partitions("hot"):
+        for name in await _key_index(redis, keys):
+            indexed[name] = keys
+    assert {n: indexed[n] for n in names} == {n: hot.keys_for_key("hot", n) for n in names}
+    await redis.delete(*(hot.keys_for_key("hot", n).pointer(n) for n in names[::2]))
+    report = await reconcile(hot, dry_run=False)
+    assert (report.groups, report.missing, report.written) == (20, 10, 10)
+
+
+async def test_reconcile_of_one_workflow_reads_its_own_keys_and_no_other(
+    store: RunStore, redis: Redis
+):
+    """Issue #13: the walk read the whole keyspace (SCAN MATCH) once per workflow."""
+    ids = [(await store.start_run("sync", {}, f"s{i}")).run_id for i in range(3)]
+    await redis.delete(KEYS.pointer("s1"))
+    items = [{"params": {"repo": "o/r", "sha": f"{i:07x}"}, "idempotency_key": f"d{i}"}
+             for i in range(300)]  # fmt: skip
+    await store.start_run_batch("deploy", items)
+    await redis.config_resetstat()
+
+    report = await reconcile(store, workflow="sync", dry_run=True)
+
+    assert report.text().splitlines()[:2] == [
+        "Would write 1 pointer(s) across 3 key group(s); 2 already current.",
+        "Missing pointers: 1; stale pointers: 0.",
+    ]
+    calls = await _calls(redis)
+    assert "scan" not in calls
+    # One ZSCAN of the index; per key group one read of its run set and one of its
+    # pointer; one EXISTS per run: three keys' worth, none of deploy's 300.
+    assert {c: calls.get(c, 0) for c in ("zscan", "zrange", "hget", "exists")} == {
+        "zscan": 1, "zrange": 3, "hget": 3, "exists": 3,
+    }  # fmt: skip
+    assert (await reconcile(store, workflow="sync", dry_run=False)).written == 1
+    assert (await redis.hget(KEYS.pointer("s1"), "run")).decode() == ids[1]
+
+
+async def test_a_dangling_pointer_whose_run_set_is_gone_too_is_found_through_the_index(
+    store: RunStore, redis: Redis
+):
+    """A SCAN for run sets never saw a pointer left without one; the index holds the key."""
+    gone = (await store.start_run("sync", {}, "k")).run_id
+    await redis.delete(KEYS.run(gone), KEYS.key_runs("k"))
+
+    report = await reconcile(store, dry_run=True)
+    assert report.text().splitlines() == [
+        "Would write 1 pointer(s) across 1 key group(s); 0 already current.",
+        "Dangling pointers (naming a run that no longer exists): 1.",
+        "Duplicate-key groups: 0",
+    ]
+    repaired = await reconcile(store, dry_run=False)
+    assert repaired.text().splitlines()[2] == (
+        "Deleted 1 dangling pointer(s): their key has no run left."
+    )
+    assert await redis.exists(KEYS.pointer("k")) == 0
+    fresh = await store.start_run("sync", {}, "k")
+    assert (fresh.deduped, fresh.rerun_of) == (False, None)
+
+
+async def test_keys_claimed_before_the_index_are_found_by_a_scan_which_indexes_them(
+    store: RunStore, redis: Redis
+):
+    """Data written by a gateway without the key index: the index walk cannot see it;
+    ``scan=True`` walks the keyspace as before and, when it repairs, indexes each key."""
+    chain = await rerun_chain(store, "dup", 2)
+    missing = (await store.start_run("sync", {}, "missing")).run_id
+    ok = (await store.start_run("sync", {}, "ok")).run_id
+    await store.start_run("deploy", {"repo": "o/r", "sha": "abcdef0"}, "other")
+    claimed = await _key_index(redis)
+    await redis.delete(KEYS.key_index(), KEYS.pointer("missing"))  # as an old gateway left it
+
+    assert (await reconcile(store, workflow="sync", dry_run=True)).text().splitlines()[0] == (
+        "Would write 0 pointer(s) across 0 key group(s); 0 already current."
+    )
+    scanned = await reconcile(store, workflow="sync", dry_run=True, scan=True)
+    assert scanned.text().splitlines()[:2] == [
+        "Would write 1 pointer(s) across 3 key group(s); 2 already current.",
+        "Missing pointers: 1; stale pointers: 0.",
+    ]
+    assert await redis.exists(KEYS.key_index()) == 0, "a dry run writes nothing"
+
+    repaired = await reconcile(store, workflow="sync", dry_run=False, scan=True)
+    assert repaired.text().startswith(
+        "Wrote 1 pointer(s) across 3 key group(s); 2 already current."
+    )
+    # Each key indexed at the time of its last claim, as the claim itself would have.
+    assert await _key_index(redis) == claimed
+    assert (await redis.hget(KEYS.pointer("missing"), "run")).decode() == missing
+    after = await reconcile(store, workflow="sync", dry_run=True)
+    assert after.text().splitlines()[0] == (
+        "Would write 0 pointer(s) across 3 key group(s); 3 already current."
+    )
+    assert {d.canonical for d in after.duplicates} == {chain[1]}
+    assert (await redis.hget(KEYS.pointer("ok"), "run")).decode() == ok
+
+
+async def test_the_cli_takes_scan(store: RunStore, redis: Redis, redis_server, tmp_path):
+    from tests.conftest import WORKFLOWS_YAML
+    from tests.test_cli import realm
+
+    (tmp_path / "triggers.yaml").write_text(WORKFLOWS_YAML)
+    await store.start_run("sync", {}, "k")
+    await redis.delete(KEYS.key_index())
+
+    def reconcile_cli(*args: str) -> str:
+        done = realm("run", "reconcile", *args, "--redis-url", redis_server.url, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()[0]
+
+    assert reconcile_cli("--dry-run") == (
+        "Would write 0 pointer(s) across 0 key group(s); 0 already current."
+    )
+    assert reconcile_cli("--scan") == "Wrote 0 pointer(s) across 1 key group(s); 1 already current."
+    assert reconcile_cli("--dry-run") == (
+        "Would write 0 pointer(s) across 1 key group(s); 1 already current."
+    )

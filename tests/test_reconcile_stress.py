@@ -54,7 +54,8 @@ return i
 """
 BUSY_SPINS = 30_000  # a few milliseconds of Lua (3.4 ms on the CI machine kind)
 # A 1 s retention keeps the store small (superseded runs expire), so one repair
-# pass reads every hot key in a few SCAN batches, many passes a second.
+# pass reads every hot key in one or two ZSCAN batches of the key index, many passes
+# a second.
 CONFIG = """
 version: 1
 workflows:

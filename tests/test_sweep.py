@@ -102,11 +102,15 @@ async def test_a_call_checks_at_most_one_chunk_and_the_walk_goes_on_from_there(
     await _expire(redis, wstore, [r for r in ids if r not in live])
 
     first = await sweep(wstore, "w", max_calls=1)
-    assert (first.calls, first.checked, first.removed) == (1, INDEX_CHUNK, INDEX_CHUNK - 2)
+    # One call per index: the run index's first chunk, and the key index (150 keys,
+    # one chunk), whose keys are all gone but k0's (its run, ids[0], is live).
+    assert (first.calls, first.checked, first.removed) == (2, INDEX_CHUNK, INDEX_CHUNK - 2)
+    assert (first.keys_checked, first.keys_removed) == (150, 149)
     assert await redis.exists(POSITION) == 1
 
     rest = await sweep(wstore, "w")
-    assert (rest.calls, rest.checked, rest.wrapped) == (2, n - INDEX_CHUNK + 1, True)
+    assert (rest.calls, rest.checked, rest.wrapped) == (3, n - INDEX_CHUNK + 1, True)
+    assert (rest.keys_checked, rest.keys_removed) == (1, 0)
     assert {m.decode() for m in await redis.zrange(INDEX, 0, -1)} == live
     assert first.removed + rest.removed == n - len(live)
 
@@ -121,8 +125,8 @@ async def test_replicas_share_one_walk(wstore: RunStore, redis: Redis):
     call = wstore.scripts.sweep
     script_keys = [keys.runs(), keys.stream(), keys.sweep(), *(keys.run(r) for r in chunk)]
 
-    one = await call(script_keys, ["", "123", 30_000, 10_000, *chunk])
-    two = await call(script_keys, ["", "456", 30_000, 10_000, *chunk])
+    one = await call(script_keys, ["", "123", 30_000, 10_000, 1, *chunk])
+    two = await call(script_keys, ["", "456", 30_000, 10_000, 1, *chunk])
 
     assert one[:2] == [b"swept", INDEX_CHUNK]
     assert two[:2] == [b"moved", 0]
@@ -139,6 +143,89 @@ async def test_concurrent_sweeps_remove_every_expired_id_once(wstore: RunStore, 
 
     assert sum(r.removed for r in reports) == len(ids) - len(live)
     assert {m.decode() for m in await redis.zrange(INDEX, 0, -1)} == live
+
+
+KEY_INDEX = "realm:{w}:keys"
+KEY_POSITION = "realm:{w}:keysweep"
+
+
+async def _key_index(redis: Redis) -> set[str]:
+    return {m.decode() for m in await redis.zrange(KEY_INDEX, 0, -1)}
+
+
+async def test_keys_whose_pointer_and_run_set_expired_leave_the_key_index(
+    wstore: RunStore, redis: Redis
+):
+    keys = wstore.keys("w")
+    gone = [(await wstore.start_run("w", {}, f"gone{i}")).run_id for i in range(20)]
+    live = await wstore.start_run("w", {}, "live")
+    # Half a group is still a group (reconcile has to see it): a run set whose pointer
+    # was lost, and a pointer whose run set was.
+    await wstore.start_run("w", {}, "set-only")
+    await redis.delete(keys.pointer("set-only"))
+    await wstore.start_run("w", {}, "pointer-only")
+    await redis.delete(keys.key_runs("pointer-only"))
+    await _expire(redis, wstore, gone)
+
+    async def groups_gone() -> bool:
+        names = [
+            n for i in range(20) for n in (keys.pointer(f"gone{i}"), keys.key_runs(f"gone{i}"))
+        ]
+        return await redis.exists(*names) == 0
+
+    await _until(groups_gone)
+    assert len(await _key_index(redis)) == 23
+
+    report = await sweep(wstore, "w")
+
+    assert (report.keys_checked, report.keys_removed) == (23, 20)
+    assert await _key_index(redis) == {"live", "set-only", "pointer-only"}
+    assert await redis.exists(KEY_POSITION) == 0  # the walk reached the end: it starts over
+    again = await sweep(wstore, "w")
+    assert (again.keys_checked, again.keys_removed) == (3, 0)
+    # A key is indexed again when it is claimed again.
+    assert (await wstore.start_run("w", {}, "gone0")).run_id != gone[0]
+    assert "gone0" in await _key_index(redis)
+    assert (await redis.hget(keys.pointer("live"), "run")).decode() == live.run_id
+
+
+async def test_a_key_claimed_again_after_the_sweep_read_it_stays_in_the_key_index(
+    wstore: RunStore, redis: Redis
+):
+    """The sweep reads a chunk, then a claim writes one of its keys again, then the
+    sweep's call arrives: the call checks the keys as they are, so the key stays."""
+    keys = wstore.keys("w")
+    ids = [(await wstore.start_run("w", {}, f"k{i}")).run_id for i in range(5)]
+    await _expire(redis, wstore, ids)
+    chunk = [m.decode() for m in await redis.zrange(KEY_INDEX, 0, -1)]
+    assert chunk == [f"k{i}" for i in range(5)]
+    again = await wstore.start_run("w", {}, "k2")
+    script_keys = [KEY_INDEX, STREAM, KEY_POSITION,
+                   *(n for k in chunk for n in (keys.pointer(k), keys.key_runs(k)))]  # fmt: skip
+
+    reply = await wstore.scripts.sweep(script_keys, ["", "", "", 10_000, 2, *chunk])
+
+    assert reply == [b"swept", 4, 0, b"0"]  # and the stream was left alone ('')
+    assert await _key_index(redis) == {"k2"}
+    assert (await redis.hget(keys.pointer("k2"), "run")).decode() == again.run_id
+
+
+async def test_concurrent_sweeps_remove_every_gone_key_once(wstore: RunStore, redis: Redis):
+    ids = await _start(wstore, 3 * INDEX_CHUNK, keyed_every=1)
+    live = set(ids[::50])
+    await _expire(redis, wstore, [r for r in ids if r not in live])
+    keys = wstore.keys("w")
+
+    async def groups_gone() -> bool:
+        names = [keys.pointer(f"k{i}") for i, r in enumerate(ids) if r not in live]
+        return await redis.exists(*names) == 0
+
+    await _until(groups_gone)
+
+    reports = await asyncio.gather(*(sweep(wstore, "w") for _ in range(4)))
+
+    assert sum(r.keys_removed for r in reports) == len(ids) - len(live)
+    assert await _key_index(redis) == {f"k{i}" for i, r in enumerate(ids) if r in live}
 
 
 async def test_the_stream_is_trimmed_by_age_back_to_empty(wstore: RunStore, redis: Redis):

@@ -140,9 +140,10 @@ end
 -- The claim of DESIGN §3 for one start: decide from the markers and the key
 -- pointer, and when the decision is a new run, write the run, its indexes, the
 -- pointer and the stream entry for the runners, all in this one script call.
--- k: run, index, stream, pointer and keyruns (nil without a key), cur (the hash of
---    the run the caller believes the pointer names, or nil), mrun (the hash of the
---    run the caller was told a marker names, or nil), markers (list of marker keys)
+-- k: run, index, stream, pointer and keyruns (nil without a key), key_index (the
+--    workflow's index of keys), cur (the hash of the run the caller believes the
+--    pointer names, or nil), mrun (the hash of the run the caller was told a marker
+--    names, or nil), markers (list of marker keys)
 -- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
 --    on_mismatch, retention, seq (the item's place in a batch; 0 alone),
 --    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
@@ -249,6 +250,13 @@ local function claim(k, a, now, now_us)
     end
     redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
     redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
+    -- The key index: reconcile walks it instead of the keyspace, the sweep drops a key
+    -- once its pointer and run set are gone. Scored by this claim's time, like the run
+    -- index: the sweep looks only at keys claimed more than a retention ago (a group
+    -- outlives its last claim by that much, unless deleted or repointed). Only a claim
+    -- that writes the pointer adds the key (one ZADD): every key group starts here, and
+    -- a repeat's group (pointer or run set still there) is in the index already.
+    redis.call('ZADD', k.key_index, now_us + a.seq, a.key)
     redis.call('PERSIST', k.keyruns)
     if rerun_of ~= '' then
       redis.call('ZREMRANGEBYRANK', k.keyruns, 0, -(KEYRUNS_KEEP + 1))

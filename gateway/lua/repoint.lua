@@ -33,6 +33,10 @@ Reply: {outcome, ...}
                        walk reached, or the pointer's run, that were not passed)
 A resend of this call (same operation record) gets the first attempt's reply; a
 `need` reply is not recorded, so the next call may reuse the record.
+The key index (realm:{wf}:keys) is not written here: a pointer is only written when
+the key's run set holds its target, and a key whose run set or pointer exists is in
+the index already (the claim that wrote them added it; the sweep keeps it while
+either exists; reconcile --scan adds the keys of an older gateway).
 ]]
 
 local pointer, keyruns, op = KEYS[1], KEYS[2], KEYS[3]

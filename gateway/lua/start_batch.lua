@@ -9,7 +9,8 @@ own run hash in the pointer slots.
 
 KEYS[1]  index of all runs (zset)            realm:{wf}:runs
 KEYS[2]  stream the runners read             realm:{wf}:stream
-then 4 keys per item i (base = 2 + 4*(i-1)):
+KEYS[3]  index of the workflow's keys (zset)  realm:{wf}:keys
+then 4 keys per item i (base = 3 + 4*(i-1)):
   +1 run hash of the item's NEW run          realm:{wf}:run:<new id>
   +2 key pointer (the run hash if no key)    realm:{wf}:key:<key>
   +3 runs of the key (the run hash if none)  realm:{wf}:keyruns:<key>
@@ -33,10 +34,10 @@ local workflow, steps, on_live, on_terminal, on_mismatch, retention, first =
 local count = (#ARGV - 7) / 5
 
 local function item_keys(i)
-  local base = 2 + 4 * (i - 1)
+  local base = 3 + 4 * (i - 1)
   local has_key = ARGV[7 + 5 * (i - 1) + 2] ~= ''
   return {
-    run = KEYS[base + 1], index = KEYS[1], stream = KEYS[2],
+    run = KEYS[base + 1], index = KEYS[1], stream = KEYS[2], key_index = KEYS[3],
     pointer = has_key and KEYS[base + 2] or nil,
     keyruns = has_key and KEYS[base + 3] or nil,
     cur = KEYS[base + 4], markers = {},

@@ -8,7 +8,8 @@ KEYS[4]  key pointer (hash)                 realm:{wf}:key:<key>       (KEYS[1] 
 KEYS[5]  runs of this key (zset)            realm:{wf}:keyruns:<key>   (KEYS[1] if no key)
 KEYS[6]  run hash the pointer names, after a `need_run` reply named it  (else KEYS[1])
 KEYS[7]  run hash a marker names, after a `need_run` reply named it     (else KEYS[1])
-KEYS[8…] markers (hashes): realm:{wf}:event:…, realm:{wf}:body:…, realm:{wf}:request:…
+KEYS[8]  index of the workflow's keys (zset, by last claim)  realm:{wf}:keys
+KEYS[9…] markers (hashes): realm:{wf}:event:…, realm:{wf}:body:…, realm:{wf}:request:…
 
 ARGV[1] new run id (chosen by the caller)   ARGV[2] workflow
 ARGV[3] idempotency key ('' = none)         ARGV[4] params (canonical JSON)
@@ -40,15 +41,15 @@ Flags: the `#!lua` line makes Redis refuse the whole script under OOM before any
 
 local has_key = ARGV[3] ~= ''
 local markers, marks = {}, {}
-for i = 8, #KEYS do
+for i = 9, #KEYS do
   markers[#markers + 1] = KEYS[i]
-  marks[#marks + 1] = {mode = ARGV[14 + 2 * (i - 8)], tag = ARGV[15 + 2 * (i - 8)]}
+  marks[#marks + 1] = {mode = ARGV[14 + 2 * (i - 9)], tag = ARGV[15 + 2 * (i - 9)]}
 end
 local now, now_us = server_time()
 return claim(
   {run = KEYS[1], index = KEYS[2], stream = KEYS[3],
    pointer = has_key and KEYS[4] or nil, keyruns = has_key and KEYS[5] or nil,
-   cur = KEYS[6], mrun = KEYS[7], markers = markers},
+   key_index = KEYS[8], cur = KEYS[6], mrun = KEYS[7], markers = markers},
   {id = ARGV[1], workflow = ARGV[2], key = ARGV[3], params = ARGV[4], fp = ARGV[5],
    steps = ARGV[6], on_live = ARGV[7], on_terminal = ARGV[8], on_mismatch = ARGV[9],
    retention = ARGV[10], first = ARGV[11], seq = 0, cur_id = ARGV[12], mrun_id = ARGV[13],
