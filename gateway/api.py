@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import replies
+from gateway import deliveries, replies
+from gateway.deliveries_text import check_cursor as check_delivery_cursor
+from gateway.deliveries_text import parse_since
 from gateway.delivery import RETRY_AFTER_SECONDS
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.paging import check_cursor, parse_limit
@@ -21,6 +24,7 @@ from gateway.store import RunStore
 
 if TYPE_CHECKING:
     from gateway.runs import TakenStep
+    from gateway.serving import Serving
 
 Handler = Callable[[Request, RunStore], Awaitable[Response]]
 
@@ -243,8 +247,43 @@ async def reconcile_keys(request: Request, store: RunStore) -> Response:
         store,
         workflow=_field(data, "workflow", str, None),
         dry_run=_field(data, "dry_run", bool, True),
+        scan=_field(data, "scan", bool, False),
     )
     return json_response({"status": "ok", **report.as_dict()})
+
+
+async def list_deliveries(request: Request, store: RunStore) -> Response:
+    query = request.query_params
+    since = query.get("since")
+    where = deliveries.DeliveryFilter(
+        path=query.get("path"),
+        status=query.get("status"),
+        outcome=query.get("outcome"),
+        since_ms=None if since is None else parse_since(since, int(time.time() * 1000)),
+    )
+    page, cursor = await deliveries.list_deliveries(
+        store,
+        where,
+        limit=parse_limit(query.get("limit", "50")),
+        cursor=check_delivery_cursor(query.get("cursor")),
+    )
+    return json_response({"deliveries": page, "cursor": cursor})
+
+
+async def get_delivery(request: Request, store: RunStore) -> Response:
+    return json_response(await deliveries.get_delivery(store, request.path_params["delivery_id"]))
+
+
+async def replay_delivery(request: Request, store: RunStore) -> Response:
+    data = await _body(request)
+    rerun = _field(data, "rerun", bool, False)
+    # The configuration serving now: a reload since the delivery may have fixed a trigger.
+    serving: Serving = request.state.serving
+    record = await deliveries.replay(
+        serving.store, serving.by_path, serving.config.settings, serving.version,
+        request.path_params["delivery_id"], rerun=rerun,
+    )  # fmt: skip
+    return json_response(record)
 
 
 def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitable[Response]]:
@@ -292,6 +331,14 @@ API_ROUTES: list[tuple[str, str, Handler, str]] = [
     ("/v1/runs/{run_id}/complete", "POST", complete_step, "Complete the run's current step"),
     ("/v1/runs/{run_id}/fail", "POST", fail_run, "Fail a live run, or one attempt of its step"),
     ("/v1/reconcile", "POST", reconcile_keys, "Check and repair key pointers"),
+    ("/v1/deliveries", "GET", list_deliveries, "List the delivery log, newest first"),
+    ("/v1/deliveries/{delivery_id}", "GET", get_delivery, "Get one delivery's record"),
+    (
+        "/v1/deliveries/{delivery_id}/replay",
+        "POST",
+        replay_delivery,
+        "Send a stored delivery through matching again",
+    ),
 ]
 
 

@@ -7,7 +7,6 @@ import asyncio
 import gc
 import logging
 import os
-from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,30 +23,35 @@ from gateway.api import api_routes, json_response
 from gateway.config import Config, load_config
 from gateway.connection import redis_client
 from gateway.deadlines import Deadlines
+from gateway.deliveries import DeliveryRecorder
 from gateway.delivery import RETRY_AFTER_SECONDS
 from gateway.errors import StoreUnavailable
 from gateway.observe import DeliveryLog, setup_logging
 from gateway.openapi import openapi_document
+from gateway.reload import ReloadOnHangup, defer_hangups
+from gateway.serving import Serving
 from gateway.store import RunStore
 from gateway.sweep import Sweeper
-from gateway.triggers import Trigger
+from gateway.ui import ui_routes
 from gateway.webhooks import Webhooks
 
 log = logging.getLogger("realm")
 
 
-def create_app(config: Config, redis_url: str, *, api_token: str | None = None) -> Webhooks:
-    """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403."""
+def create_app(
+    config: Config, redis_url: str, *, api_token: str | None = None, hangup_reloads: bool = False
+) -> Webhooks:
+    """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403.
+    ``hangup_reloads``: SIGHUP reloads the config file (gateway/reload.py)."""
     delivery_log = DeliveryLog()
     deadlines = Deadlines()
-    by_path: dict[str, list[Trigger]] = defaultdict(list)
-    for trigger in config.triggers.values():
-        by_path[trigger.path].append(trigger)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         client = redis_client(redis_url, config.settings.redis_timeout)
         store = RunStore(client, config, pipelined=True)
+        webhooks.serving = Serving.of(config, store)
+        recorder = webhooks.recorder = DeliveryRecorder(store, config.settings)
         try:
             await store.load_scripts()
         except Exception as exc:
@@ -60,21 +64,27 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         sweeper = asyncio.create_task(deadlines.sweep())
         # Trims the run indexes and streams (DESIGN §7); every worker runs it, and
         # the workers and replicas share one walk (gateway/sweep.py).
-        trimmer = asyncio.create_task(Sweeper(store).run())
+        trimming = Sweeper(store)
+        trimmer = asyncio.create_task(trimming.run())
+        recording = asyncio.create_task(recorder.run())
+        hangup = ReloadOnHangup(webhooks, config.file, trimming) if hangup_reloads else None
+        if hangup is not None:
+            hangup.install()
         try:
-            yield {"store": store}
+            yield {"store": store, "serving": webhooks.serving, "webhooks": webhooks}
         finally:
+            if hangup is not None:
+                await hangup.remove()
             flusher.cancel()
             sweeper.cancel()
             trimmer.cancel()
-            await asyncio.gather(trimmer, return_exceptions=True)  # off Redis before close
+            recording.cancel()
+            # Off Redis before close; the log's last records written first.
+            await asyncio.gather(trimmer, recording, return_exceptions=True)
+            await recorder.close()
             delivery_log.flush()
             store.close()
             await client.aclose()
-
-    async def post_only(request: Request) -> Response:
-        # POSTs to a trigger path never get here: Webhooks answers them first.
-        raise HTTPException(405)
 
     async def healthz(request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -97,12 +107,17 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         if not_ready[0]:
             log.warning("/readyz: the store is ready again")
         not_ready[0] = False
-        return json_response({"status": "ok"})
+        serving: Serving = request.state.serving
+        return json_response({"status": "ok", "config_version": serving.version})
 
-    document = openapi_document(list(by_path))
+    documents: dict[str, dict[str, Any]] = {}  # by config version: a reload adds paths
 
     async def openapi(request: Request) -> Response:
-        return json_response(document)
+        serving: Serving = request.state.serving
+        if serving.version not in documents:
+            documents.clear()
+            documents[serving.version] = openapi_document(list(serving.by_path))
+        return json_response(documents[serving.version])
 
     async def metrics_text(request: Request) -> Response:
         delivery_log.flush()  # this worker's counts; the others flush every 0.2 s
@@ -111,8 +126,8 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
         text += await metrics.queue_text(request.state.store)
         return Response(text, headers={"Content-Type": content_type})
 
-    routes = [Route(path, post_only, methods=["POST"]) for path in by_path]
-    routes += api_routes(api_token)
+    routes = api_routes(api_token)
+    routes += ui_routes(api_token)  # /ui: the inspector, behind the same token
     routes += [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
@@ -130,13 +145,17 @@ def create_app(config: Config, redis_url: str, *, api_token: str | None = None) 
             redis_errors.TimeoutError: _store_error,
         },
     )
-    return Webhooks(app, by_path, config.settings, delivery_log, deadlines)
+    webhooks = Webhooks(app, config.settings, delivery_log, deadlines)
+    return webhooks
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     codes = {404: "NOT_FOUND_ROUTE", 405: "METHOD_NOT_ALLOWED"}
-    message = {404: f"no route {request.url.path}", 405: "webhook routes take POST only"}
+    message = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }
     return json_response(
         {
             "status": "error",
@@ -173,11 +192,15 @@ def _describe(exc: BaseException) -> str:
 
 def app_from_env() -> Webhooks:
     """The app for uvicorn's worker processes, which get their settings by environment."""
+    # A SIGHUP before the lifespan handles it (a reload racing this worker's start)
+    # must not end the worker, as its default action would.
+    defer_hangups()
     setup_logging()
     config = load_config(os.environ.get("REALM_CONFIG", "triggers.yaml"))
     app = create_app(
-        config, os.environ["REALM_REDIS_URL"], api_token=os.environ.get("REALM_API_TOKEN") or None
-    )
+        config, os.environ["REALM_REDIS_URL"], api_token=os.environ.get("REALM_API_TOKEN") or None,
+        hangup_reloads=True,
+    )  # fmt: skip
     _tune_gc()
     return app
 

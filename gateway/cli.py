@@ -1,7 +1,8 @@
 """The ``realm`` command. Parses flags, calls one typed function, prints its reply.
 
 Exit codes: 0 ok, 1 refused (``status: error`` with a code), 2 usage,
-3 bad config, 4 store unavailable, 5 ``listen`` cannot bind its --host/--port.
+3 bad config, 4 store unavailable (``triggers reload``: no listener to signal),
+5 ``listen`` cannot bind its --host/--port.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def with_store(
     work: Callable[[RunStore], Awaitable[T]],
     *,
     starts: bool = False,
+    with_triggers: bool = False,
 ) -> T:
     """Load the workflows, open the store (embedded or not), run ``work`` on it.
 
@@ -101,9 +103,10 @@ def with_store(
     message and their exit code; coded errors reach the caller. Every command
     checks the workflows' partitions against the store's record; ``starts`` (a
     command that starts runs) also records them the first time, so a command that
-    only reads, or a dry run, writes nothing.
+    only reads, or a dry run, writes nothing. ``with_triggers``: the triggers too,
+    which needs their webhook secrets (a replay of a delivery).
     """
-    config = _load_config(config_path, with_triggers=False)
+    config = _load_config(config_path, with_triggers=with_triggers)
     try:
         with redis_target(redis_url, data_dir) as target:
             click.echo(f"using {target.description}", err=True)
@@ -399,6 +402,13 @@ def run_fail(
                                               "message": f"Run '{run_id}' failed."})  # fmt: skip
 
 
+pid_file_option = click.option(
+    "--pid-file", default=None, envvar="REALM_PID_FILE", type=click.Path(dir_okay=False),
+    help="Where `realm listen` writes its process id, for `realm triggers reload` "
+    "[default: <data-dir>/listen.pid]. [env: REALM_PID_FILE]",
+)  # fmt: skip
+
+
 @main.command()
 @click.option(
     "--host",
@@ -424,19 +434,31 @@ def run_fail(
     help="Worker processes. [env: REALM_WORKERS]",
 )
 @server_options
+@pid_file_option
 def listen(
-    config_path: str, host: str, port: int, workers: int, redis_url: str | None, data_dir: str
+    config_path: str,
+    host: str,
+    port: int,
+    workers: int,
+    redis_url: str | None,
+    data_dir: str,
+    pid_file: str | None,
 ) -> None:
-    """Receive webhooks and turn verified deliveries into runs."""
+    """Receive webhooks and turn verified deliveries into runs. SIGHUP (or `realm
+    triggers reload`) reloads the config file without a restart."""
     from gateway.listen import CannotBind, serve
+    from gateway.pidfile import PidFileError
 
     config = _load_config(config_path, with_triggers=True)
     try:
         serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
-              data_dir=data_dir)  # fmt: skip
+              data_dir=data_dir, pid_file=pid_file)  # fmt: skip
     except CannotBind as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_ADDRESS)
+    except PidFileError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
     except ConfigError as exc:  # a layout the store's data does not match
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -555,6 +577,36 @@ def triggers_test(
         click.echo(format_report(report))
 
 
+@triggers.command("reload")
+@config_option
+@data_dir_option
+@pid_file_option
+def triggers_reload(config_path: str, data_dir: str, pid_file: str | None) -> None:
+    """Make a running `realm listen` reload its config file (sends it SIGHUP).
+
+    The file is checked first: a broken one is refused here and the listener left
+    alone. The secrets are the listener's to check, in its own environment; its log
+    says whether it applied the file, and /readyz shows its config_version."""
+    from gateway.pidfile import NoListener, pid_file_path, signal_listener
+    from gateway.reload import load_without_secrets
+
+    try:
+        config = load_without_secrets(config_path)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}; the listener was not signalled", err=True)
+        sys.exit(EXIT_CONFIG)
+    try:
+        pid = signal_listener(pid_file_path(pid_file, data_dir))
+    except NoListener as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+    click.echo(f"{config.file}: ok (version {config.version})")
+    click.echo(
+        f"sent SIGHUP to realm listen (pid {pid}): it reloads its config file; its log "
+        "says whether it applied it, and /readyz shows its config_version"
+    )
+
+
 @run.command("batch")
 @click.argument("workflow")
 @click.option(
@@ -621,11 +673,17 @@ def run_batch(
 @run.command("reconcile")
 @click.option("--dry-run", is_flag=True, help="Report only; write nothing.")
 @click.option("--workflow", default=None, help="Only this workflow (default: every workflow).")
+@click.option(
+    "--scan", is_flag=True,
+    help="Find the keys by a SCAN of the whole keyspace, not the key index, and index them "
+    "(once after upgrading from a gateway without the key index).",
+)  # fmt: skip
 @store_options
 @reports_errors
 def run_reconcile(
     dry_run: bool,
     workflow: str | None,
+    scan: bool,
     config_path: str,
     redis_url: str | None,
     data_dir: str,
@@ -645,7 +703,8 @@ def run_reconcile(
                     click.echo(f"reconcile: {groups} key group(s), {runs} run(s) checked",
                                err=True)  # fmt: skip
 
-            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=plain)
+            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=plain,
+                                   scan=scan)  # fmt: skip
         total = await count_runs(store, workflow)
         with click.progressbar(length=total, label="reconcile", file=sys.stderr,
                                show_pos=True) as bar:  # fmt: skip
@@ -655,7 +714,8 @@ def run_reconcile(
                 bar.update(runs - done[0])
                 done[0] = runs
 
-            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=tick)
+            return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=tick,
+                                   scan=scan)  # fmt: skip
 
     report = with_store(config_path, redis_url, data_dir, work)
     _emit(as_json, report.text(), {"status": "ok", **report.as_dict()})
@@ -751,3 +811,9 @@ def work(
         click.echo(f"work: stopped ({counts})", err=True)
 
     with_store(config_path, redis_url, data_dir, serve)
+
+
+# Last: that module builds its commands from this one's helpers.
+from gateway.cli_deliveries import deliveries  # noqa: E402
+
+main.add_command(deliveries)

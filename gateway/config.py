@@ -8,6 +8,7 @@ workflows alone, so they need none of the webhook secrets.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -42,8 +43,10 @@ WORKFLOW_FIELDS = {"steps", "params_schema", "retention", "stream_retention", "p
 MAX_PARTITIONS = 1024
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
 SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight",
-                   "max_buffered_body_bytes", "max_header_bytes", "durability"}  # fmt: skip
-RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1"})
+                   "max_buffered_body_bytes", "max_header_bytes", "durability",
+                   "delivery_log", "store_bodies", "max_stored_body_bytes",
+                   "delivery_retention", "max_deliveries"}  # fmt: skip
+RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1", "/ui"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
 DEFAULT_BODY_TIMEOUT = 10.0  # seconds to receive a whole body: a slow sender gets 408
@@ -52,6 +55,12 @@ DEFAULT_MAX_IN_FLIGHT = 1000  # deliveries past their body read, per worker; mor
 # max_body_bytes); more get 503 OVERLOADED at once (gateway/webhooks.py BodyBudget).
 DEFAULT_MAX_BUFFERED_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more get 431 (gateway/edge.py)
+# The delivery log (gateway/deliveries.py): how long and how many deliveries are kept,
+# and how much of each body. 128 KiB holds nearly every GitHub and Stripe delivery;
+# 10 000 of them at most ~1.3 GB in Redis, typically (3 KB) ~30 MB.
+DEFAULT_DELIVERY_RETENTION = "3d"
+DEFAULT_MAX_DELIVERIES = 10_000
+DEFAULT_MAX_STORED_BODY_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,12 @@ class Settings:
     max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     durability: Durability | None = None  # None: acknowledged once the primary has it
+    # The delivery log: off, it records nothing (the listener's log line stays).
+    delivery_log: bool = True
+    store_bodies: bool = True  # false: headers and outcomes only, no body
+    max_stored_body_bytes: int = DEFAULT_MAX_STORED_BODY_BYTES  # longer: stored cut, marked
+    delivery_retention_ms: int = 3 * 86_400_000
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,9 @@ class Config:
     workflows: Mapping[str, Workflow]
     settings: Settings = Settings()
     triggers: Mapping[str, Trigger] = field(default_factory=dict)
+    # Which text of the file this is: the first 12 hex digits of its SHA-256. The
+    # listener logs it and /readyz shows it, so an operator sees a reload take hold.
+    version: str = ""
 
     def workflow(self, name: str) -> Workflow:
         try:
@@ -216,23 +234,26 @@ def parse_config(
                 # partitioned workflow it would be claimed in another partition.
                 raise ConfigError(
                     file,
-                    f"replay_guard (on by default for github) needs workflow "
+                    f"replay_guard (on by default for github and shopify) needs workflow "
                     f"'{trigger.workflow}' in one partition; set replay_guard: false or "
                     "remove the workflow's partitions",
                     section="trigger",
                     name=trigger.name,
                     field="replay_guard",
                 )
-            if trigger.path in RESERVED_PATHS or trigger.path.startswith("/v1/"):
+            if trigger.path in RESERVED_PATHS or trigger.path.startswith(("/v1/", "/ui/")):
                 raise ConfigError(
                     file,
                     f"{trigger.path} is the gateway's own route; pick another path "
-                    "(reserved: /v1/…, " + ", ".join(sorted(RESERVED_PATHS)) + ")",
+                    "(reserved: /v1/…, /ui/…, " + ", ".join(sorted(RESERVED_PATHS)) + ")",
                     section="trigger",
                     name=trigger.name,
                     field="path",
                 )
-    return Config(file=file, workflows=workflows, settings=settings, triggers=triggers)
+    version = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return Config(
+        file=file, workflows=workflows, settings=settings, triggers=triggers, version=version
+    )
 
 
 def parse_retention(value: object) -> int:
@@ -433,8 +454,30 @@ def _parse_settings(raw: object, file: str) -> Settings:
             raise error(name, f"must be an integer of at least {floor} (got {value!r})")
         sizes[name] = value
     durability = _parse_durability(raw.get("durability"), timeouts["redis_timeout"], error)
+    flags = {}
+    for name in ("delivery_log", "store_bodies"):
+        value = raw.get(name, True)
+        if not isinstance(value, bool):
+            raise error(name, f"must be true or false (got {_clip(repr(value))})")
+        flags[name] = value
+    try:
+        retention_ms = parse_retention(raw.get("delivery_retention", DEFAULT_DELIVERY_RETENTION))
+    except ValueError as exc:
+        raise error("delivery_retention", str(exc)) from None
+    counts = {}
+    for name, default, least, most in (
+        ("max_stored_body_bytes", DEFAULT_MAX_STORED_BODY_BYTES, 0, 16 * 1024 * 1024),
+        ("max_deliveries", DEFAULT_MAX_DELIVERIES, 1, 10_000_000),
+    ):
+        value = raw.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise error(
+                name, f"must be an integer from {least} to {most} (got {_clip(repr(value))})"
+            )
+        counts[name] = value
     return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
-                    durability=durability, **timeouts, **sizes)  # fmt: skip
+                    durability=durability, delivery_retention_ms=retention_ms,
+                    **timeouts, **sizes, **flags, **counts)  # fmt: skip
 
 
 def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durability | None:

@@ -16,7 +16,7 @@ from typing import Any
 from gateway import replies
 from gateway.errors import RealmError, StoreUnavailable
 from gateway.extract import BodyError, ExtractError, HeaderLookup, parse_body
-from gateway.runs import StartResult
+from gateway.runs import StartResult, canonical_params, check_key, fingerprint_of
 from gateway.store import Marker, RunStore
 from gateway.triggers import Trigger
 from gateway.verify import VerifySpec, verify
@@ -30,7 +30,9 @@ class TriggerResult:
 
     trigger: str
     workflow: str
-    outcome: str  # started | deduplicated | refused | ignored
+    # started | deduplicated | refused | ignored; in the walk only: unverified (its
+    # signature failed), and for a dry run previewed or unknown (Redis did not answer).
+    outcome: str
     status: int
     run_id: str | None = None
     deduped: bool | None = None
@@ -41,6 +43,17 @@ class TriggerResult:
     rerun_of: str | None = None
     phase: str | None = None
     next_step: str | None = None
+    # Each step's word on this trigger, for the views that say why (the delivery
+    # log, the inspector page, `realm triggers test`): the signature ("ok", the
+    # reason it failed, or None when not checked: a replay), whether `when` held
+    # (None: not reached) and why not, the key and params extracted, and for a dry
+    # run what a claim would decide now.
+    signature: str | None = None
+    matched: bool | None = None
+    why_not: str | None = None
+    key: str | None = None
+    params: Any = None
+    decision: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -66,6 +79,12 @@ class Reply:
     body: dict[str, Any]
     results: list[TriggerResult] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
+    # Whether the delivery's signature passed (the delivery log keeps the headers
+    # and body of a verified delivery only).
+    verified: bool = False
+    # Every trigger of the path, each with every step's word on it (``results`` holds
+    # the verified ones, which the sender sees); empty when the walk never began.
+    walk: list[TriggerResult] = field(default_factory=list)
 
 
 def error_reply(status: int, code: str, message: str, **headers: str) -> Reply:
@@ -86,41 +105,67 @@ async def handle(
     body: bytes,
     *,
     bounded: bool = True,
+    verified: bool = False,
+    rerun: bool = False,
+    dry_run: bool = False,
 ) -> Reply:
     """The reply to one delivery. ``bounded=False``: the caller bounds the whole
-    call with its own timer, so the store's per-claim deadline is skipped."""
+    call with its own timer, so the store's per-claim deadline is skipped.
+
+    A replay from the delivery log (gateway/deliveries.py) passes ``verified``: it was
+    verified when it arrived, and the log keeps no signature. ``rerun``: each matched
+    trigger starts a new run whatever its policies say (the old one, if live, is
+    cancelled), and no event or body marker is consulted. ``dry_run``: the same walk,
+    but the claim only asks what it would decide (``realm triggers test``); nothing
+    is written.
+
+    ``Reply.results`` holds every trigger of the path with each step's word on it,
+    whatever the reply: the one walk that every view of a delivery renders."""
     # 1. Verify: nothing unverified touches Redis. Triggers of one path usually
     #    share one scheme; each distinct spec is checked once.
-    now = time.time()
-    checked: dict[int, str | None] = {}
-    verified: list[Trigger] = []
-    reasons: list[str] = []
-    for trigger in triggers:
-        spec: VerifySpec = trigger.verify
-        if id(spec) not in checked:
-            checked[id(spec)] = verify(spec, headers, body, now)
-        reason = checked[id(spec)]
-        if reason is None:
-            verified.append(trigger)
-        else:
-            reasons.append(reason)
-    if not verified:
-        return error_reply(401, "AUTH_REQUIRED", f"signature did not verify: {reasons[0]}")
+    walk = [TriggerResult(t.name, t.workflow, "ignored", 200) for t in triggers]
+    passed: list[tuple[TriggerResult, Trigger]] = []
+    if verified:
+        passed = list(zip(walk, triggers, strict=True))
+    else:
+        now = time.time()
+        checked: dict[int, str | None] = {}
+        for result, trigger in zip(walk, triggers, strict=True):
+            spec: VerifySpec = trigger.verify
+            if id(spec) not in checked:
+                checked[id(spec)] = verify(spec, headers, body, now)
+            reason = checked[id(spec)]
+            if reason is None:
+                result.signature = "ok"
+                passed.append((result, trigger))
+            else:
+                result.signature, result.outcome, result.status = reason, "unverified", 401
+        if not passed:
+            reply = error_reply(
+                401, "AUTH_REQUIRED", f"signature did not verify: {walk[0].signature}"
+            )
+            reply.walk = walk
+            return reply
 
     # 2. Parse, once.
     try:
         doc = parse_body(body, content_type)
     except BodyError as exc:
-        return error_reply(400, "VALIDATION_BODY", f"body is not parseable: {exc}")
+        reply = error_reply(400, "VALIDATION_BODY", f"body is not parseable: {exc}")
+        for result, _ in passed:  # no trigger can match a body that does not parse
+            result.outcome, result.status = "refused", 400
+            result.code, result.message = "VALIDATION_BODY", reply.body["message"]
+        reply.walk = walk
+        reply.verified = True
+        return reply
 
     # 3-4. Match and extract, per trigger.
-    results: list[TriggerResult] = []
     claims: list[tuple[TriggerResult, Trigger, Any]] = []
-    for trigger in verified:
-        result = TriggerResult(trigger.name, trigger.workflow, "ignored", 200)
-        results.append(result)
+    for result, trigger in passed:
         why_not = trigger.match(headers, doc)
+        result.matched = why_not is None
         if why_not is not None:
+            result.why_not = why_not
             result.message = f"not matched: {why_not}"
             continue
         try:
@@ -129,7 +174,19 @@ async def handle(
             _refuse(result, exc)
             continue
         result.event_id = extracted.event_id
+        result.key = extracted.key
+        result.params = extracted.params
         claims.append((result, trigger, extracted))
+    results = [result for result, _ in passed]
+
+    if dry_run:
+        # The claim step as a question: what would start_run decide now? Nothing
+        # is written (gateway/dryrun.py renders the answers).
+        if claims:
+            body_digest = hashlib.sha256(body).hexdigest()
+            for result, trigger, extracted in claims:
+                await _preview(store, result, trigger, extracted, body_digest)
+        return Reply(200, {"status": "ok", "dry_run": True}, results, verified=True, walk=walk)
 
     # 5. Claim, all matched triggers at once (each is its own workflow's key). The
     #    store checks the params against params_schema before any Redis call.
@@ -140,12 +197,12 @@ async def handle(
                 trigger.workflow,
                 extracted.params,
                 extracted.key,
-                trigger.on_live_match,
-                trigger.on_terminal_match,
+                "cancel_existing" if rerun else trigger.on_live_match,
+                "rerun" if rerun else trigger.on_terminal_match,
                 trigger.on_params_mismatch,
                 fingerprint=fingerprint_for(trigger, body_digest),
                 bounded=bounded,
-                markers=markers_for(store, trigger, extracted.event_id, body_digest),
+                markers=_markers(store, trigger, extracted.event_id, body_digest, rerun),
             )
             for _, trigger, extracted in claims
         ]
@@ -161,7 +218,9 @@ async def handle(
         for (result, _, _), outcome in zip(claims, outcomes, strict=True):
             if isinstance(outcome, StoreUnavailable):
                 # Some claims may have been stored: the sender's retry deduplicates them.
-                return unavailable_reply(outcome.message)
+                reply = unavailable_reply(outcome.message)
+                reply.walk, reply.verified = walk, True
+                return reply
             if isinstance(outcome, RealmError):
                 _refuse(result, outcome)
             elif isinstance(outcome, StartResult):
@@ -176,7 +235,47 @@ async def handle(
         status,
         {"status": "ok" if status < 400 else "error", "results": [r.as_dict() for r in results]},
         results,
+        verified=True,
+        walk=walk,
     )
+
+
+DECISIONS = {
+    "start": "start a new run",
+    "rerun": "start a new run that supersedes run {run}",
+    "existing": "return run {run} (deduplicated, phase '{phase}')",
+    "active": "refuse: STATE_RUN_ALREADY_ACTIVE (run {run} is live)",
+    "used": "refuse: STATE_IDEMPOTENCY_KEY_USED (run {run} ended as '{phase}')",
+    "conflict": "refuse: STATE_IDEMPOTENCY_KEY_CONFLICT (run {run} has other params)",
+}
+
+
+async def _preview(
+    store: RunStore, result: TriggerResult, trigger: Trigger, extracted: Any, body_digest: str
+) -> None:
+    """A dry run's claim: the checks start_run applies before its claim, then what the
+    claim would decide (``result.decision``), or the refusal as a live one says it."""
+    try:
+        # extract already bounds the key's length; check_key is the store's own word.
+        check_key(extracted.key)
+        store.config.workflow(trigger.workflow).check_params(extracted.params)
+        decision, state = await store.preview_start(
+            trigger.workflow, extracted.key, trigger.on_live_match, trigger.on_terminal_match,
+            trigger.on_params_mismatch,
+            fingerprint_for(trigger, body_digest)
+            or fingerprint_of(canonical_params(extracted.params)),
+            markers=markers_for(store, trigger, extracted.event_id, body_digest),
+        )  # fmt: skip
+    except StoreUnavailable as exc:
+        result.outcome, result.code, result.message = "unknown", exc.code, exc.message
+        return
+    except RealmError as exc:
+        _refuse(result, exc)
+        return
+    run = state.run_id if state else None
+    phase = state.phase if state else None
+    result.outcome = "previewed"
+    result.decision = DECISIONS[decision].format(run=run, phase=phase)
 
 
 def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: str) -> list[Marker]:
@@ -199,6 +298,13 @@ def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: s
     if trigger.replay_guard:
         markers.append(store.replay_marker(trigger.workflow, trigger.name, body_digest, event_id))
     return markers
+
+
+def _markers(
+    store: RunStore, trigger: Trigger, event_id: str, body_digest: str, rerun: bool
+) -> list[Marker]:
+    # A rerun starts a new run whatever a marker would say of the event or body.
+    return [] if rerun else markers_for(store, trigger, event_id, body_digest)
 
 
 def fingerprint_for(trigger: Trigger, body_digest: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -10,15 +11,27 @@ import signal
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 import redis
 import uvicorn
+from uvicorn.supervisors import Multiprocess
 
 from gateway.config import Config
 from gateway.connection import ping_url, redact_url, redis_client, redis_target
-from gateway.errors import StoreUnavailable
+from gateway.errors import ConfigError, StoreUnavailable
 from gateway.observe import setup_logging
+from gateway.pidfile import pid_file_kept
+from gateway.reload import (
+    check_partitions_at,
+    count_in_supervisor,
+    defer_hangups,
+    layout_changes,
+    load_for_reload,
+    log_line,
+    refused,
+)
 from gateway.store import RunStore
 from gateway.triggers import describe_event_id
 from gateway.verify import describe
@@ -27,6 +40,8 @@ from gateway.verify import describe
 GRACEFUL_SHUTDOWN_SECONDS = 30
 # How long an idle keep-alive connection is kept open (uvicorn's default is 5 s).
 KEEP_ALIVE_SECONDS = 75
+# The app every worker serves (it reads its settings from the environment).
+APP = "gateway.app:app_from_env"
 
 log = logging.getLogger("realm")
 
@@ -43,13 +58,23 @@ def serve(
     workers: int,
     redis_url: str | None,
     data_dir: str,
+    pid_file: str | None = None,
 ) -> None:
     """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards.
+    SIGHUP reloads the config file (gateway/reload.py); this process's id is written to
+    ``pid_file`` (default: ``<data_dir>/listen.pid``) for ``realm triggers reload``.
 
-    Raises ``CannotBind`` before anything starts when ``host``/``port`` cannot be bound."""
+    Raises ``CannotBind`` before anything starts when ``host``/``port`` cannot be bound,
+    ``PidFileError`` when the ``pid_file`` given cannot be written."""
     setup_logging()
+    # Until the app handles SIGHUP, one (a reload racing the start) must not end the
+    # process, as its default action would: one worker reloads once it can, several
+    # read the file as they start.
+    defer_hangups()
     check_bindable(host, port)
     with (
+        # After the bind check: a listener that cannot start leaves another's file alone.
+        pid_file_kept(pid_file, data_dir),
         redis_target(redis_url, data_dir) as target,
         tempfile.TemporaryDirectory(prefix="realm-metrics-") as metrics_dir,
     ):
@@ -73,7 +98,8 @@ def serve(
             # A changed `partitions` would move a workflow's keys: refused before serving.
             asyncio.run(check_layout(config, target.url))
         # Workers are separate processes: they read their settings from here.
-        os.environ["REALM_CONFIG"] = str(Path(config.file).resolve())
+        config_file = str(Path(config.file).resolve())
+        os.environ["REALM_CONFIG"] = config_file
         os.environ["REALM_REDIS_URL"] = target.url
         if workers > 1:
             # Each worker writes its metrics here; /metrics sums them (gateway/metrics.py).
@@ -85,8 +111,7 @@ def serve(
         # embedded server is stopped: make the re-raised signal a no-op instead.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: None)
-        uvicorn.run(
-            "gateway.app:app_from_env",
+        options: dict[str, Any] = dict(
             factory=True,
             host=host,
             port=port,
@@ -105,6 +130,69 @@ def serve(
             # rewriting on every request.
             proxy_headers=False,
         )
+        if workers == 1:
+            # One process: the app's lifespan reloads on SIGHUP itself.
+            uvicorn.run(APP, **options)
+            return
+        # Several: what uvicorn.run does for them, with a supervisor of our own (below).
+        uv_config = uvicorn.Config(APP, **options)
+        sock = uv_config.bind_socket()
+        # (No KeyboardInterrupt to catch, as uvicorn.run does: the supervisor handles SIGINT.)
+        Supervisor(uv_config, [sock], config=config, config_file=config_file,
+                   redis_url=target.url).run()  # fmt: skip
+
+
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor of worker processes, but SIGHUP reloads the config in each
+    worker rather than replacing the workers (uvicorn's way, which cuts their open
+    connections). The file is checked here first, so that a refused one is logged
+    once, not once per worker; a file that passes is reloaded by each worker's
+    lifespan (gateway/reload.py), which checks it again and logs its own line."""
+
+    def __init__(
+        self,
+        uv_config: uvicorn.Config,
+        sockets: list[socket.socket],
+        *,
+        config: Config,
+        config_file: str,
+        redis_url: str,
+    ) -> None:
+        super().__init__(uv_config, sockets)
+        self.running = config  # what the workers were last asked to serve
+        self.config_file = config_file
+        self.redis_url = redis_url
+
+    def handle_signals(self) -> None:
+        # SIGHUPs queued since the last look (every 0.5 s) would all read the same
+        # file: one reload does.
+        for _ in range(self.signal_queue.count(signal.SIGHUP) - 1):
+            self.signal_queue.remove(signal.SIGHUP)
+        super().handle_signals()
+
+    def handle_hup(self) -> None:
+        try:
+            new = load_for_reload(self.config_file, self.running.settings)
+            if layout_changes(self.running, new):
+                asyncio.run(check_partitions_at(self.redis_url, new, self.running))
+        except ConfigError as exc:
+            refused(self.config_file, self.running.version, str(exc), count=False)
+            count_in_supervisor("refused")
+            return
+        for process in self.processes:
+            # A worker still starting would die of SIGHUP until its app defers it
+            # (gateway/reload.py defer_hangups); one that has started reloads.
+            if not process.wait_until_ready(self.config.timeout_worker_healthcheck,
+                                            self.should_exit):  # fmt: skip
+                if not self.should_exit.is_set():
+                    log_line("not_forwarded", self.config_file, self.running.version,
+                             error=f"worker {process.pid} did not answer; it serves what "
+                                   "it read at its start")  # fmt: skip
+                continue
+            assert process.pid is not None
+            with contextlib.suppress(ProcessLookupError):  # it died: its successor reads the file
+                os.kill(process.pid, signal.SIGHUP)
+        self.running = new
 
 
 def check_bindable(host: str, port: int) -> None:

@@ -12,6 +12,7 @@ Only the protocol goes to stdout; logs go to stderr.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
@@ -23,12 +24,15 @@ from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 
-from gateway import replies
-from gateway.config import Config
+from gateway import deliveries, replies
+from gateway.config import Config, load_config
 from gateway.connection import redis_client
-from gateway.errors import RealmError, StoreUnavailable
+from gateway.deliveries_text import SINCE_HELP, list_lines, parse_since, record_text, replay_text
+from gateway.deliveries_text import check_cursor as check_delivery_cursor
+from gateway.errors import ConfigError, RealmError, StoreUnavailable
 from gateway.paging import check_cursor
 from gateway.runs import MAX_BATCH_ITEMS, new_run_id
+from gateway.serving import Serving
 from gateway.store import RunStore
 
 if TYPE_CHECKING:
@@ -44,6 +48,7 @@ LiveMatchArg = Literal["use_existing", "fail", "cancel_existing"]
 TerminalMatchArg = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
 ParamsMismatchArg = Literal["flag", "reject"]
 PhaseArg = Literal["running", "completed", "failed", "cancelled"]
+OutcomeArg = Literal[deliveries.OUTCOMES]  # type: ignore[valid-type]
 
 INSTRUCTIONS = """\
 Realm starts workflow runs exactly once. Give start_run an idempotency_key that
@@ -55,13 +60,20 @@ followed by a code such as STATE_RUN_ALREADY_ACTIVE.
 To be a runner: claim_step takes the next ready step of a workflow with a lease;
 do the step, then report it with complete_step (with its output) or fail_run,
 passing the lease. A result that comes back after the run was cancelled or moved
-on is discarded (STATE_RUN_NOT_LIVE, STATE_STEP_NOT_CURRENT): do not redo it."""
+on is discarded (STATE_RUN_NOT_LIVE, STATE_STEP_NOT_CURRENT): do not redo it.
+
+The delivery log: list_deliveries and get_delivery show which webhooks arrived and
+what each trigger made of them (why one was ignored or refused); after fixing a
+trigger in triggers.yaml, replay_delivery sends a stored delivery through again."""
 
 # The consumer name claim_step reads with when the caller names none.
 DEFAULT_RUNNER = "mcp"
 
 WorkflowId = Annotated[str, Field(description="The workflow, as named in triggers.yaml.")]
 RunId = Annotated[str, Field(description="The run's id (a UUID), as start_run returned it.")]
+DeliveryId = Annotated[
+    str, Field(description="The delivery's id (dlv-…), as list_deliveries printed it.")
+]
 Params = Annotated[
     dict[str, Any],
     Field(
@@ -166,7 +178,7 @@ class RealmMCPServer(MCPServer[RunStore]):
 
 
 def build_server(store_factory: StoreFactory) -> RealmMCPServer:
-    """The MCP server with Realm's eight tools.
+    """The MCP server with Realm's tools: eight for runs, three for the delivery log.
 
     ``store_factory()`` is entered once, in the server's lifespan, and its
     ``RunStore`` serves every tool call until the session ends.
@@ -404,7 +416,100 @@ def build_server(store_factory: StoreFactory) -> RealmMCPServer:
 
         return await _call(ctx, work)
 
+    @server.tool(
+        description="List the delivery log (what the webhook listener answered), newest "
+        "first, one line per delivery: id, time, status, path, the reply's error code if "
+        "any, and each trigger's outcome (started, deduplicated, refused, ignored, "
+        "unverified). Filter by "
+        "path, status (202 or a class like 4xx), outcome, since. When there may be more, "
+        "the last line is 'cursor: ...': pass it back as cursor for the next page (under "
+        "a filter a page may be short, even empty, and still have one)."
+    )
+    async def list_deliveries(
+        ctx: Context,
+        path: Annotated[str | None, Field(description="Only deliveries to this path.")] = None,
+        status: Annotated[
+            str | None, Field(description="Only this status (202) or class (4xx).")
+        ] = None,
+        outcome: Annotated[
+            OutcomeArg | None,
+            Field(description="Only deliveries where at least one trigger had this outcome."),
+        ] = None,
+        since: Annotated[
+            str | None, Field(description=f"Only deliveries received since: {SINCE_HELP}.")
+        ] = None,
+        limit: Annotated[int, Field(ge=1, le=1000, description="Deliveries per page.")] = 20,
+        cursor: Annotated[
+            str | None, Field(description="The cursor a previous page returned.")
+        ] = None,
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            since_ms = None if since is None else parse_since(since, int(time.time() * 1000))
+            where = deliveries.DeliveryFilter(
+                path=path, status=status, outcome=outcome, since_ms=since_ms
+            )
+            page, next_cursor = await deliveries.list_deliveries(
+                store, where, limit=limit, cursor=check_delivery_cursor(cursor)
+            )
+            lines = list_lines(page) or ["no deliveries"]
+            if next_cursor is not None:
+                lines.append(f"cursor: {next_cursor}")
+            return "\n".join(lines)
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Show one delivery of the log: status, each trigger's outcome and why "
+        "(not matched: which condition; refused: the code), the run it started or matched, "
+        "the headers as kept (never a signature or token) and the body."
+    )
+    async def get_delivery(ctx: Context, delivery_id: DeliveryId) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            return record_text(await deliveries.get_delivery(store, delivery_id))
+
+        return await _call(ctx, work)
+
+    @server.tool(
+        description="Send a stored delivery through matching again, with the triggers of "
+        "triggers.yaml as the file is now (after fixing a trigger that ignored it, say), "
+        "recorded as a replay of it. It is not verified again. By default the triggers' "
+        "policies apply: a replay of a delivery that started a run is deduplicated to that "
+        "run. rerun: true starts a new run for each matched trigger (rerun_of the old one). "
+        "Needs the webhook secrets in this server's environment, as the listener does."
+    )
+    async def replay_delivery(
+        ctx: Context,
+        delivery_id: DeliveryId,
+        rerun: Annotated[
+            bool,
+            Field(description="Start new runs whatever the triggers' policies say."),
+        ] = False,
+    ) -> CallToolResult:
+        async def work(store: RunStore) -> str:
+            serving = Serving.of(_with_triggers(store.config), store)
+            record = await deliveries.replay(
+                serving.store, serving.by_path, serving.config.settings, serving.version,
+                delivery_id, rerun=rerun,
+            )  # fmt: skip
+            return replay_text(record)
+
+        return await _call(ctx, work)
+
     return server
+
+
+def _with_triggers(config: Config) -> Config:
+    """The config's file read again, triggers and all: `realm mcp` loads the workflows
+    only (its run tools need no webhook secret), and a replay wants the triggers as
+    they are now."""
+    try:
+        return load_config(config.file, with_triggers=True)
+    except ConfigError as exc:
+        raise RealmError(
+            "CONFIG_INVALID",
+            f"a replay needs the triggers, which do not load: {exc} (realm mcp needs the "
+            "webhook secrets in its environment for this, as realm listen does)",
+        ) from None
 
 
 def claim_text(taken: TakenStep) -> str:

@@ -51,6 +51,16 @@ LATENCY = Histogram(
     "realm_delivery_seconds", "Time from request to reply, body read included", ["path"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )  # fmt: skip
+DELIVERY_LOG_DROPPED = Counter(
+    "realm_delivery_log_dropped_total",
+    "Delivery log records a worker dropped unwritten (Redis refused them for longer "
+    "than its buffer lasts); the deliveries themselves were answered",
+)
+CONFIG_RELOADS = Counter(
+    "realm_config_reloads_total",
+    "triggers.yaml reloads by a worker: applied, or refused (the old one kept)",
+    ["result"],
+)
 
 REDIRECTIONS = Counter(
     "realm_redis_redirections_total",

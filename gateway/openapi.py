@@ -8,6 +8,8 @@ from typing import Any
 
 from gateway import __version__
 from gateway.api import API_ROUTES
+from gateway.deliveries import DELIVERY_ID, MAX_LIMIT, OUTCOMES, STATUS_FILTER
+from gateway.deliveries_text import SINCE_HELP
 from gateway.runs import (
     LIVE_MATCH,
     MAX_REQUEST_ID_BYTES,
@@ -106,6 +108,58 @@ _TAKEN = {
         "lease_until_ms": {"type": "integer"},
     },
 }
+_DELIVERY_ID = {"type": "string", "pattern": f"^{DELIVERY_ID.pattern}$"}
+_NULLABLE_TEXT = {"type": ["string", "null"]}
+_DELIVERY_SUMMARY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "delivery_id": _DELIVERY_ID,
+        "received_ms": {"type": "integer"},
+        "path": {"type": "string"},
+        "status": {"type": "integer", "description": "The status the delivery was answered with"},
+        "code": {**_NULLABLE_TEXT, "description": "A refused delivery's error code"},
+        "outcomes": {"type": "array", "items": {"type": "object", "properties": {
+            "trigger": {"type": "string"}, "outcome": {"enum": list(OUTCOMES)},
+            "run_id": _NULLABLE_TEXT}}},
+        "replay_of": {**_NULLABLE_TEXT, "description": "The delivery this one replayed"},
+    },
+}  # fmt: skip
+_DELIVERY = {
+    "type": "object",
+    "properties": {
+        **{k: v for k, v in _DELIVERY_SUMMARY["properties"].items() if k != "outcomes"},
+        "message": _NULLABLE_TEXT,
+        "ms": {"type": "number", "description": "How long the delivery took to answer"},
+        "config_version": {"type": "string"},
+        "rerun": {"type": "boolean"},
+        "triggers": {"type": "array", "items": {"type": "object", "properties": {
+            "trigger": {"type": "string"}, "workflow": {"type": "string"},
+            "outcome": {"enum": list(OUTCOMES)}, "run_id": _NULLABLE_TEXT,
+            "event_id": _NULLABLE_TEXT, "deduped": {"type": ["boolean", "null"]},
+            "rerun_of": _NULLABLE_TEXT, "phase": _NULLABLE_TEXT, "code": _NULLABLE_TEXT,
+            "message": {**_NULLABLE_TEXT, "description": "Why: not matched, refused, started"},
+            "signature": {**_NULLABLE_TEXT, "description": "'ok', why it did not verify, or "
+                          "null when not checked (a replay)"},
+            "matched": {"type": ["boolean", "null"], "description": "whether `when` held "
+                        "(null: not reached)"},
+            "why_not": {**_NULLABLE_TEXT, "description": "the condition that did not hold"},
+            "key": {**_NULLABLE_TEXT, "description": "the idempotency key extracted"},
+            "params": {"description": "the params extracted (null: not reached)"},
+            "params_mismatch": {"type": "boolean"}}}},
+        "headers": {"type": ["array", "null"],
+                    "items": {"type": "array", "items": {"type": "string"},
+                              "minItems": 2, "maxItems": 2},
+                    "description": "[name, value] pairs as received, names lower-case, "
+                    "every signature, token and cookie header left out; null for a delivery "
+                    "refused before it was verified"},
+        "body": {**_NULLABLE_TEXT, "description": "null when refused before verification "
+                 "or settings.store_bodies is false"},
+        "body_encoding": {"enum": ["utf-8", "base64", None]},
+        "body_size": {"type": ["integer", "null"], "description": "The body's whole size"},
+        "body_truncated": {"type": "boolean", "description": "stored cut at "
+                           "settings.max_stored_body_bytes (then it cannot be replayed)"},
+    },
+}  # fmt: skip
 _BODIES: dict[str, dict[str, Any]] = {
     "start": {"properties": {"params": {"type": "object"},
                              "idempotency_key": {"type": "string"}, **_POLICIES, **_REQUEST_ID}},
@@ -131,7 +185,15 @@ _BODIES: dict[str, dict[str, Any]] = {
                                           "(needs step and lease)"},
                                 "step": {"type": "string"}, **_REQUEST_ID}},
     "reconcile_keys": {"properties": {"dry_run": {"type": "boolean", "default": True},
-                                      "workflow": {"type": "string"}}},
+                                      "workflow": {"type": "string"},
+                                      "scan": {"type": "boolean", "default": False,
+                                               "description": "find keys by a SCAN of the "
+                                               "whole keyspace, not the key index"}}},
+    "replay_delivery": {"properties": {"rerun": {
+        "type": "boolean", "default": False,
+        "description": "each matched trigger starts a new run (rerun_of the key's run; a "
+        "live one is cancelled first) whatever its policies say; without it the policies "
+        "apply, so a replay of a delivery that started a run is deduplicated"}}},
 }  # fmt: skip
 _OK: dict[str, dict[str, Any]] = {
     "start": {"202": ("a new run started", _START_REPLY),
@@ -156,7 +218,21 @@ _OK: dict[str, dict[str, Any]] = {
     "fail_run": {"200": ("the failed run; with retry, the run's phase, the attempt and "
                          "retry_at_ms", {"oneOf": [_RUN, {"type": "object"}]})},
     "reconcile_keys": {"200": ("the report", {"type": "object"})},
+    "list_deliveries": {"200": ("a page of the delivery log and the next cursor (a page "
+                                "may be short under a filter and still have one)", {
+        "type": "object",
+        "properties": {"deliveries": {"type": "array", "items": _DELIVERY_SUMMARY},
+                       "cursor": {**_DELIVERY_ID, "type": ["string", "null"]}}})},
+    "get_delivery": {"200": ("the delivery's record", _DELIVERY)},
+    "replay_delivery": {"200": ("the replay's own record (replay_of: the delivery; its "
+                                "status and triggers say what the replay did)", _DELIVERY)},
 }  # fmt: skip
+
+
+_NOT_FOUND = {
+    "get_delivery": "NOT_FOUND_DELIVERY: not in the log (or no longer)",
+    "replay_delivery": "NOT_FOUND_DELIVERY, or NOT_FOUND_PATH: no trigger serves its path now",
+}
 
 
 def _response(description: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +243,7 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for path, method, handler, summary in API_ROUTES:
         name = handler.__name__
+        not_found = _NOT_FOUND.get(name, "NOT_FOUND_WORKFLOW or NOT_FOUND_RUN")
         operation: dict[str, Any] = {
             "operationId": name,
             "summary": summary,
@@ -179,7 +256,7 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
                 **{code: _response(*ok) for code, ok in _OK[name].items()},
                 "401": _response("no or wrong bearer token (AUTH_REQUIRED)", _ERROR),
                 "403": _response("REALM_API_TOKEN is not set: the API is off", _ERROR),
-                "404": _response("NOT_FOUND_WORKFLOW or NOT_FOUND_RUN", _ERROR),
+                "404": _response(not_found, _ERROR),
                 "409": _response("refused by policy or state (STATE_*)", _ERROR),
                 "422": _response("bad input (VALIDATION_*)", _ERROR),
                 "503": _response("Redis unreachable or too slow (STORE_UNAVAILABLE)", _ERROR),
@@ -193,6 +270,19 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
                  "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
                 {"name": "cursor", "in": "query",
                  "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
+            ]  # fmt: skip
+        if name == "list_deliveries":
+            operation["parameters"] += [
+                {"name": "path", "in": "query", "schema": {"type": "string", "pattern": "^/"}},
+                {"name": "status", "in": "query", "description": "202, or a class like 4xx",
+                 "schema": {"type": "string", "pattern": f"^{STATUS_FILTER.pattern}$"}},
+                {"name": "outcome", "in": "query", "description": "at least one trigger had it",
+                 "schema": {"enum": list(OUTCOMES)}},
+                {"name": "since", "in": "query", "description": SINCE_HELP,
+                 "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "schema": {
+                    "type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": 50}},
+                {"name": "cursor", "in": "query", "schema": _DELIVERY_ID},
             ]  # fmt: skip
         if name in _BODIES:
             operation["requestBody"] = {

@@ -23,6 +23,8 @@ SCRIPT_NAMES = (
     "take_step",
     "step_failed",
     "extend_lease",
+    "record_deliveries",
+    "list_deliveries",
 )
 
 
@@ -51,6 +53,11 @@ class Scripts:
         self.take_step: AsyncScript = redis.register_script(script_source("take_step"))
         self.step_failed: AsyncScript = redis.register_script(script_source("step_failed"))
         self.extend_lease: AsyncScript = redis.register_script(script_source("extend_lease"))
+        # The delivery log (gateway/deliveries.py).
+        self.record_deliveries: AsyncScript = redis.register_script(
+            script_source("record_deliveries")
+        )
+        self.list_deliveries: AsyncScript = redis.register_script(script_source("list_deliveries"))
 
     def all(self) -> tuple[AsyncScript, ...]:
         return (
@@ -64,4 +71,6 @@ class Scripts:
             self.take_step,
             self.step_failed,
             self.extend_lease,
+            self.record_deliveries,
+            self.list_deliveries,
         )

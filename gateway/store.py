@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
+import copy
 import random
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -121,6 +121,18 @@ class RunStore:
             name: partition_keys(self.prefix, name, wf.partitions)
             for name, wf in config.workflows.items()
         }
+
+    def with_config(self, config: Config) -> RunStore:
+        """This store serving another version of the config (a reload), on the same
+        connections. What the connections depend on (the key prefix, the timeout,
+        durability) must be unchanged: gateway/reload.py refuses a file that changes it."""
+        other = copy.copy(self)
+        other.config = config
+        other._keys = {
+            name: partition_keys(self.prefix, name, wf.partitions)
+            for name, wf in config.workflows.items()
+        }
+        return other
 
     def keys(self, workflow: str) -> Keys:
         """The Keys of an unpartitioned workflow (of partition 0 of a partitioned one)."""
@@ -235,6 +247,7 @@ class RunStore:
                     *head,
                     keys.run(cur) if cur else run_key,
                     keys.run(mrun) if mrun else run_key,
+                    keys.key_index(),
                     *tail,
                 ]
                 reply = await self._retrying(
@@ -372,7 +385,7 @@ class RunStore:
         `need_run` rounds that name the runs its repeats point at, which write nothing)."""
         named: dict[int, str] = {}
         for _ in range(MAX_CLAIM_CALLS):
-            script_keys = [keys.runs(), keys.stream()]
+            script_keys = [keys.runs(), keys.stream(), keys.key_index()]
             argv: list[Any] = list(common)
             for i in to_send:
                 key, params_json, fingerprint = prepared[i]
@@ -464,73 +477,40 @@ class RunStore:
     ) -> tuple[list[Run], str | None]:
         """Runs of a workflow, newest first, optionally of one key and one phase.
 
-        Returns the page and the cursor for the next one (None when done). The
-        cursor is an offset into the index, so runs started while paging can
-        shift a later page. Runs that expired are skipped here; reconcile
-        drops them from the indexes.
-        """
-        self.config.workflow(workflow)
+        Returns the page and the cursor for the next one (None when done). The cursor
+        names a position, the last run shown (its index score and id): runs started
+        while a caller pages come before it and never shift a later page, so every
+        run is seen once. Runs that expired are skipped; the sweep drops them from
+        the indexes."""
+        return await self.list_runs_of([workflow], key, phase, limit, cursor)
+
+    async def list_runs_of(
+        self,
+        workflows: Sequence[str],
+        key: str | None = None,
+        phase: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[Run], str | None]:
+        """``list_runs`` over several workflows at once, merged newest first: every
+        index is scored by start time (µs, the server's clock), so one position is a
+        position in all of them."""
+        for workflow in workflows:
+            self.config.workflow(workflow)
         if phase is not None and phase not in PHASES:
             raise RealmError("VALIDATION_PARAMS", f"phase must be one of {', '.join(PHASES)}")
         if not 1 <= limit <= 1000:
             raise RealmError("VALIDATION_PARAMS", "limit must be between 1 and 1000")
-        parts = self.partitions(workflow) if key is None else [self.keys_for_key(workflow, key)]
-        async with self.deadline():
-            if len(parts) == 1:
-                page, position = await self._list_partition(
-                    parts[0], key, phase, limit, _parse_cursor(cursor)
-                )
-                return [run for run, *_ in page], (None if position < 0 else str(position))
-            # Partitioned: each partition newest first, merged; the cursor holds each
-            # partition's offset ('-' once it is done), e.g. '12.9.-.30'.
-            offsets = _parse_partition_cursor(cursor, len(parts))
-            pages = {
-                p: await self._list_partition(parts[p], None, phase, limit, offset)
-                for p, offset in enumerate(offsets)
-                if offset >= 0
-            }
-        # Merged by index score (start time in µs, from the server's clock).
-        tagged = ([(*item, p) for item in page] for p, (page, _) in pages.items())
-        shown = list(itertools.islice(heapq.merge(*tagged, key=lambda t: -t[2]), limit))
-        after_shown = {p: after for _, after, _, p in shown}  # the last shown of each
-        next_offsets = [-1] * len(parts)
-        for p, (page, end) in pages.items():
-            taken = sum(1 for *_, q in shown if q == p)
-            next_offsets[p] = end if taken == len(page) else after_shown.get(p, offsets[p])
-        runs = [run for run, *_ in shown]
-        if all(offset < 0 for offset in next_offsets):
-            return runs, None
-        return runs, ".".join("-" if offset < 0 else str(offset) for offset in next_offsets)
-
-    async def _list_partition(
-        self, keys: Keys, key: str | None, phase: str | None, limit: int, position: int
-    ) -> tuple[list[tuple[Run, int, float]], int]:
-        """Up to ``limit`` runs of one partition from index offset ``position``, each
-        with the offset just after it and its index score, and where the scan
-        stopped (-1: at the end)."""
-        index = keys.runs() if key is None else keys.key_runs(key)
-        runs: list[tuple[Run, int, float]] = []
-        scanned = 0
-        # Bounded work per call: a phase filter over a large store returns a
-        # short page and a cursor rather than walking everything at once.
-        while len(runs) < limit and scanned < 20 * limit + 1000:
-            batch = await self._retrying(
-                lambda start=position: self.redis.zrevrange(
-                    index, start, start + 199, withscores=True
-                )
+        after = parse_position(cursor)
+        sources = [
+            (keys, keys.runs() if key is None else keys.key_runs(key))
+            for workflow in workflows
+            for keys in (
+                self.partitions(workflow) if key is None else [self.keys_for_key(workflow, key)]
             )
-            if not batch:
-                return runs, -1
-            run_keys = [keys.run(text_of(run_id)) for run_id, _ in batch]
-            records = await self._retrying(lambda run_keys=run_keys: self._hgetall_many(run_keys))
-            scanned += len(batch)
-            for record, (_, score) in zip(records, batch, strict=True):
-                position += 1
-                if record and (phase is None or text_of(record[b"phase"]) == phase):
-                    runs.append((run_from_hash(record), position, score))
-                    if len(runs) == limit:
-                        break
-        return runs, position
+        ]
+        async with self.deadline():
+            return await _RunPager(self, sources, phase, limit, after).page()
 
     # -- moving runs on ----------------------------------------------------------------
 
@@ -883,6 +863,12 @@ class RunStore:
         (``async with store.deadline():`` raises StoreUnavailable when it passes.)"""
         return _Deadline(self.timeout)
 
+    async def call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """One Redis call of a caller outside the store (the delivery log), with the
+        store's retries and its mapping of "not now" errors to StoreUnavailable. The
+        caller bounds it (``deadline``)."""
+        return await self._retrying(call)
+
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run one Redis call; on a dropped connection try once more on a fresh one.
 
@@ -1021,28 +1007,141 @@ def _op_id(op_id: str | None) -> str:
     return op_id
 
 
-def _parse_cursor(cursor: str | None) -> int:
+Position = tuple[int, str]  # a run's index score and its id: a place in newest-first order
+
+
+def parse_position(cursor: str | None) -> Position | None:
+    """A cursor as a page returned it (``<score>.<run id>``), or None: from the newest."""
     if cursor is None:
-        return 0
-    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
+        return None
+    score, dot, run_id = cursor.partition(".")
+    if not (dot and score.isascii() and score.isdigit() and len(score) <= 18):
         raise RealmError("VALIDATION_PARAMS", _bad_cursor(cursor))
-    return int(cursor)
+    try:
+        uuid.UUID(run_id)
+    except ValueError:
+        raise RealmError("VALIDATION_PARAMS", _bad_cursor(cursor)) from None
+    return int(score), run_id
+
+
+def format_position(position: Position) -> str:
+    return f"{position[0]}.{position[1]}"
 
 
 def _bad_cursor(cursor: str) -> str:
-    return f"cursor {cursor[:40]!r} is not one this API returned"
+    return f"cursor {cursor[:60]!r} is not one this API returned"
 
 
-def _parse_partition_cursor(cursor: str | None, partitions: int) -> list[int]:
-    """A partitioned listing's cursor: one offset per partition, -1 for a done one."""
-    if cursor is None:
-        return [0] * partitions
-    parts = cursor.split(".")
-    if len(parts) != partitions or not all(
-        part == "-" or (part.isascii() and part.isdigit() and len(part) <= 18) for part in parts
-    ):
-        raise RealmError("VALIDATION_PARAMS", _bad_cursor(cursor))
-    return [-1 if part == "-" else int(part) for part in parts]
+class _RunPager:
+    """One page of runs from several indexes (partitions, workflows), merged newest
+    first by (score, id), read in bounded chunks.
+
+    Each index is read from the position on (``ZRANGE … BYSCORE REV``, the bound
+    inclusive, then the entries at or above the position dropped: scores are unique
+    within an index, but two indexes may share one). The merge takes the newest head
+    while every index that may have more has a head, so what is examined is exactly
+    the merged order; the cursor is the last run examined. Under a phase filter a
+    call examines at most 20 pages' worth and may return a short page with a cursor."""
+
+    CHUNK = 200
+
+    def __init__(
+        self,
+        store: RunStore,
+        sources: list[tuple[Keys, str]],
+        phase: str | None,
+        limit: int,
+        after: Position | None,
+    ) -> None:
+        self.store = store
+        self.sources = sources
+        self.phase = phase
+        self.limit = limit
+        self.chunk = min(self.CHUNK, limit + 1) if phase is None else self.CHUNK
+        # Per source: buffered (score, id) heads, newest first; where its reads go on
+        # from; whether it is read to the end.
+        self.heads: list[list[Position]] = [[] for _ in sources]
+        self.read_from: list[Position | None] = [after] * len(sources)
+        self.done = [False] * len(sources)
+
+    async def _refill(self) -> None:
+        wanted = [i for i, heads in enumerate(self.heads) if not heads and not self.done[i]]
+        if not wanted:
+            return
+        redis = self.store.redis
+
+        def read(i: int) -> Awaitable[Any]:
+            position = self.read_from[i]
+            top: float | str = "+inf" if position is None else position[0]
+            return redis.zrange(
+                self.sources[i][1], top, "-inf", desc=True, byscore=True, offset=0,
+                num=self.chunk + 1, withscores=True,
+            )  # fmt: skip
+
+        replies = await self.store._retrying(lambda: asyncio.gather(*(read(i) for i in wanted)))
+        for i, reply in zip(wanted, replies, strict=True):
+            position = self.read_from[i]
+            heads = [(int(score), text_of(member)) for member, score in reply]
+            if position is not None:
+                heads = [
+                    h
+                    for h in heads
+                    if h[0] < position[0] or (h[0] == position[0] and h[1] < position[1])
+                ]
+            # chunk + 1 asked: the one at the position itself may have been dropped.
+            self.done[i] = len(reply) <= self.chunk
+            heads = heads[: self.chunk]
+            self.heads[i] = heads
+            if heads:
+                self.read_from[i] = heads[-1]
+
+    def _take(self) -> tuple[int, Position] | None:
+        """The newest head, if every source that may have more has one buffered."""
+        best = None
+        for i, heads in enumerate(self.heads):
+            if not heads:
+                if not self.done[i]:
+                    return None  # a refill first: it may hold something newer
+                continue
+            if best is None or heads[0] > self.heads[best][0]:
+                best = i
+        if best is None:
+            return None
+        return best, self.heads[best].pop(0)
+
+    def _exhausted(self) -> bool:
+        return all(d and not h for d, h in zip(self.done, self.heads, strict=True))
+
+    async def page(self) -> tuple[list[Run], str | None]:
+        runs: list[Run] = []
+        last: Position | None = None
+        budget = 20 * self.limit + 1000
+        examined = 0
+        unexamined = False  # taken from the heads but not looked at: more remain
+        while len(runs) < self.limit and examined < budget:
+            await self._refill()
+            if self._exhausted():
+                return runs, None
+            batch: list[tuple[int, Position]] = []
+            want = self.limit - len(runs) if self.phase is None else self.CHUNK
+            while len(batch) < want and (taken := self._take()) is not None:
+                batch.append(taken)
+            names = [self.sources[i][0].run(run_id) for i, (_, run_id) in batch]
+            records = await self.store._retrying(lambda n=names: self.store._hgetall_many(n))
+            for (_, position), record in zip(batch, records, strict=True):
+                if len(runs) == self.limit or examined >= budget:
+                    unexamined = True
+                    break
+                examined += 1
+                last = position
+                if record and (self.phase is None or text_of(record[b"phase"]) == self.phase):
+                    runs.append(run_from_hash(record))
+        if not unexamined:
+            # No false promise of more: look whether anything is left to read.
+            await self._refill()
+            if self._exhausted():
+                return runs, None
+        return runs, None if last is None else format_position(last)
 
 
 def _encode_output(output: Any) -> str:

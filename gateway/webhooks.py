@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -22,8 +22,10 @@ from starlette.applications import Starlette
 from gateway import delivery
 from gateway.config import Settings
 from gateway.deadlines import Deadlines
+from gateway.deliveries import DeliveryRecorder, Received
 from gateway.errors import StoreUnavailable
 from gateway.observe import DeliveryLog
+from gateway.serving import Serving
 from gateway.triggers import Trigger
 
 log = logging.getLogger("realm")
@@ -126,7 +128,6 @@ class Webhooks:
     def __init__(
         self,
         app: Starlette,
-        by_path: Mapping[str, Sequence[Trigger]],
         settings: Settings,
         delivery_log: DeliveryLog,
         deadlines: Deadlines,
@@ -134,7 +135,11 @@ class Webhooks:
         self.app = app  # everything that is not a webhook POST
         self.delivery_log = delivery_log
         self.deadlines = deadlines
-        self.by_path = by_path
+        # The configuration serving now, and the delivery log's writer: set by the
+        # app's lifespan, which opens the store; a reload swaps ``serving``.
+        self.serving: Serving | None = None
+        self.recorder: DeliveryRecorder | None = None
+        # Settings a reload cannot change (gateway/reload.py refuses a file that does).
         self.settings = settings
         # Deliveries past their body read and not yet answered, in this worker. Past
         # the limit a delivery gets 503 at once: a queue that grows without bound
@@ -143,18 +148,34 @@ class Webhooks:
         self.budget = BodyBudget(settings.max_buffered_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            triggers = self.by_path.get(scope["path"])
+        serving = self.serving
+        if scope["type"] == "http" and serving is not None:
+            # The version current now serves this request to its end, whatever
+            # reload happens meanwhile; the admin routes find it in request.state.
+            state = scope["state"]
+            state["serving"] = serving
+            state["store"] = serving.store
+            triggers = serving.by_path.get(scope["path"])
             if triggers is not None:
-                await self._deliver(scope, receive, send, triggers)
+                if scope["method"] == "POST":
+                    await self._deliver(scope, receive, send, triggers, serving)
+                else:
+                    await _reply(send, _post_only())
                 return
         await self.app(scope, receive, send)
 
     async def _deliver(
-        self, scope: Scope, receive: Receive, send: Send, triggers: Sequence[Trigger]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        triggers: Sequence[Trigger],
+        serving: Serving,
     ) -> None:
         started = time.perf_counter()
-        settings = self.settings
+        received_ms = int(time.time() * 1000)
+        settings = serving.config.settings
+        body: bytes | None = None
         headers = RequestHeaders(scope["headers"])
         task = asyncio.current_task()
         assert task is not None
@@ -163,7 +184,7 @@ class Webhooks:
         # One deadline per delivery: first for the body, then for the claims.
         self.deadlines.set(task, settings.body_timeout)
         try:
-            read = await self._read_body(headers, receive, taken)
+            read = await self._read_body(headers, receive, taken, settings.max_body_bytes)
             if isinstance(read, delivery.Reply):
                 reply = read
             elif self.in_flight >= settings.max_in_flight:
@@ -171,9 +192,10 @@ class Webhooks:
                     f"more than {settings.max_in_flight} deliveries in flight; retry"
                 )
             else:
+                body = read
                 claiming = True
                 self.deadlines.set(task, settings.redis_timeout)
-                reply = await self._handle(scope, headers, read, triggers)
+                reply = await self._handle(scope, headers, read, triggers, serving)
         except ClientGone:
             self.deadlines.clear(task)
             self.budget.held -= taken.n
@@ -201,22 +223,22 @@ class Webhooks:
         # Answered: the body is no longer this worker's to hold (the reply holds none).
         self.budget.held -= taken.n
         self.delivery_log.observe(scope["path"], reply, started)
-        payload = orjson.dumps(reply.body)
-        raw_headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            *((k.lower().encode(), v.encode()) for k, v in reply.headers.items()),
-        ]
-        await send({"type": "http.response.start", "status": reply.status, "headers": raw_headers})
-        await send({"type": "http.response.body", "body": payload})
+        if self.recorder is not None:
+            # An append: the record is built and written at the recorder's next flush.
+            self.recorder.add(
+                Received(
+                    received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
+                    serving.version, triggers, scope["headers"], body,
+                )
+            )  # fmt: skip
+        await _reply(send, reply)
 
     async def _read_body(
-        self, headers: RequestHeaders, receive: Receive, taken: _Taken
+        self, headers: RequestHeaders, receive: Receive, taken: _Taken, limit: int
     ) -> bytes | delivery.Reply:
         """The whole body, or the refusal as soon as one is known: a declared length
         over the limit or past the budget before any byte is read, a streamed one
         mid-way. A refusal leaves the rest unread: the server discards it."""
-        limit = self.settings.max_body_bytes
         budget = self.budget
         declared = headers.get("content-length")
         if declared is not None and declared.isascii() and declared.isdigit():
@@ -245,13 +267,18 @@ class Webhooks:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _handle(
-        self, scope: Scope, headers: RequestHeaders, body: bytes, triggers: Sequence[Trigger]
+        self,
+        scope: Scope,
+        headers: RequestHeaders,
+        body: bytes,
+        triggers: Sequence[Trigger],
+        serving: Serving,
     ) -> delivery.Reply:
         self.in_flight += 1
         try:
             # bounded=False: _deliver's deadline already bounds the claims.
             return await delivery.handle(
-                scope["state"]["store"], triggers, headers, headers.get("content-type"), body,
+                serving.store, triggers, headers, headers.get("content-type"), body,
                 bounded=False,
             )  # fmt: skip
         except StoreUnavailable as exc:
@@ -269,6 +296,23 @@ class Webhooks:
             )
         finally:
             self.in_flight -= 1
+
+
+async def _reply(send: Send, reply: delivery.Reply) -> None:
+    payload = orjson.dumps(reply.body)
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in reply.headers.items()),
+    ]
+    await send({"type": "http.response.start", "status": reply.status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _post_only() -> delivery.Reply:
+    return delivery.error_reply(
+        405, "METHOD_NOT_ALLOWED", "webhook routes take POST only", Allow="POST"
+    )
 
 
 def _too_large(limit: int) -> delivery.Reply:

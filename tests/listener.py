@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -96,3 +97,13 @@ class Listener:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+def run_state_keys(db: Any) -> list[str]:
+    """The keys of ``db`` a claim writes: everything but the delivery log, which records
+    refused deliveries too (gateway/deliveries.py)."""
+    return sorted(k for k in db.scan_iter(count=1000) if ":{deliveries:log}:" not in str(k))
+
+
+def run_state_size(db: Any) -> int:
+    return len(run_state_keys(db))

@@ -348,18 +348,17 @@ def test_run_list_prints_a_header_and_pages_across_workflows(cli, redis_server):
     # A page that shows the last run says nothing of more runs.
     whole = cli("run", "list", "--limit", "7").stdout.splitlines()
     assert len(whole) == 8 and not whole[-1].startswith("More")
-    # One workflow; JSON carries the cursor too (null on the last page); the bare
-    # offset the HTTP API returns is accepted as well.
+    # One workflow; JSON carries the cursor too (null on the last page): the position
+    # of the last run shown, as the HTTP API and MCP give it.
     page = json.loads(cli("run", "list", "--workflow", "sync", "--limit", "3", "--json").stdout)
     assert [r["run_id"] for r in page["runs"]] == [started[6], started[5], started[2]]
-    assert page["cursor"] == "sync:3"
-    for cursor_text in ("sync:3", "3"):
-        rest = cli("run", "list", "--workflow", "sync", "--cursor", cursor_text, "--json")
-        assert json.loads(rest.stdout) == {
-            "runs": [json.loads(cli("run", "show", started[0], "--json").stdout)],
-            "cursor": None,
-        }
-    for bad in ("²", "9223372036854775808", "sync:x", "nope:1"):
+    assert re.fullmatch(rf"[0-9]{{16}}\.{started[2]}", page["cursor"])
+    rest = cli("run", "list", "--workflow", "sync", "--cursor", page["cursor"], "--json")
+    assert json.loads(rest.stdout) == {
+        "runs": [json.loads(cli("run", "show", started[0], "--json").stdout)],
+        "cursor": None,
+    }
+    for bad in ("²", "9223372036854775808", "sync:x", "nope:1", "3", f"1x.{started[0]}"):
         refused = cli("run", "list", "--limit", "3", "--cursor", bad)
         assert refused.returncode == 1
         assert refused.stdout.startswith("status: error\nVALIDATION_PARAMS: cursor must be ")

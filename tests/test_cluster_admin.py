@@ -179,6 +179,41 @@ async def test_reconcile_walks_every_partition_on_every_primary(
     assert await count_runs(cluster_store, "hot") == 12
 
 
+async def test_reconcile_reads_each_partitions_key_index_on_its_primary_and_scans_nothing(
+    cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
+) -> None:
+    """Issue #13: the walk reads the key index of each partition, in its own slot, and
+    never SCANs a primary; ``scan=True`` (keys from before the index) SCANs every one."""
+    keys = [f"key-{i}" for i in range(12)]
+    for k in keys:
+        await cluster_store.start_run("hot", {}, k)
+    for w in SPREAD:  # other workflows' keys, on every primary
+        await cluster_store.start_run_batch(w, [{"idempotency_key": f"o{i}"} for i in range(50)])
+    parts = cluster_store.partitions("hot")
+    homes = [cluster.primary_for_key(p.key_index()) for p in parts]
+    for node in cluster.primaries():
+        node.call("CONFIG", "RESETSTAT")
+
+    report = await reconcile(cluster_store, workflow="hot", dry_run=True)
+
+    assert (report.groups, report.current) == (12, 12)
+    for node in cluster.primaries():
+        calls = {n.removeprefix("cmdstat_"): int(v["calls"])
+                 for n, v in node.call("INFO", "commandstats").items()}  # fmt: skip
+        assert "scan" not in calls, node
+        # One ZSCAN per partition, on the primary that holds its index.
+        assert calls.get("zscan", 0) == sum(h is node for h in homes), node
+
+    for p in parts:
+        cluster_db.delete(p.key_index())  # as a gateway without the index left them
+    assert (await reconcile(cluster_store, workflow="hot", dry_run=True)).groups == 0
+    scanned = await reconcile(cluster_store, workflow="hot", dry_run=False, scan=True)
+    assert (scanned.groups, scanned.current) == (12, 12)
+    for node in cluster.primaries():
+        assert node.info("commandstats")["cmdstat_scan"].startswith("{'calls': "), node
+    assert (await reconcile(cluster_store, workflow="hot", dry_run=True)).groups == 12
+
+
 async def test_a_half_migrated_slot_is_503_then_works_once_moved(
     cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
 ) -> None:
@@ -260,6 +295,8 @@ def test_the_cli_on_a_cluster(cli, cluster: Cluster) -> None:
     assert report.stdout.startswith(
         "Would write 0 pointer(s) across 2 key group(s); 2 already current."
     )
+    scanned = cli("run", "reconcile", "--dry-run", "--scan")
+    assert scanned.stdout == report.stdout, scanned.stderr
     assert other in cli("run", "show", other).stdout
 
 
@@ -331,6 +368,13 @@ def test_the_admin_api_on_a_cluster(listener: Listener) -> None:
         report = api.post("/v1/reconcile", json={"dry_run": True})
         assert report.status_code == 200
         assert report.json()["groups"] == 4
+        scanned = api.post("/v1/reconcile", json={"dry_run": True, "scan": True})
+        assert (scanned.status_code, scanned.json()["groups"]) == (200, 4)
+        bad = api.post("/v1/reconcile", json={"scan": "yes"})
+        assert (bad.status_code, bad.json()) == (422, {
+            "status": "error", "code": "VALIDATION_BODY",
+            "message": "field 'scan' must be of type bool",
+        })  # fmt: skip
 
 
 def _status_within(api: httpx.Client, path: str, want: int, seconds: float) -> int:
@@ -365,3 +409,30 @@ def test_readyz_is_503_while_a_primary_is_down_and_200_once_its_replica_took_ove
         again = api.post("/v1/workflows/orders/runs", json={"idempotency_key": "k"})
         assert (again.status_code, again.json()["run_id"]) == (200, started.json()["run_id"])
     assert "Traceback" not in listener.log()
+
+
+async def test_the_delivery_log_records_and_pages_in_one_slot(
+    cluster: Cluster, cluster_db: redis_sync.RedisCluster
+) -> None:
+    """Its scripts name keys they build from a base (records trimmed or listed): all
+    share the log's hash tag, so a cluster serves them from one slot."""
+    from gateway.deliveries import get_delivery, list_deliveries, write_records
+    from tests.test_delivery_log import deliver, load, push, signed
+
+    client = redis_client(cluster.seeds_url, 5.0)
+    try:
+        config = load()
+        store = RunStore(client, config, timeout=5.0)
+        body = push()
+        item = await deliver(store, body, signed(body))
+        ids = []
+        for _ in range(4):  # the cap (50) trims the oldest
+            ids += await write_records(store, config.settings, [item] * 20)
+        newest = sorted(ids, reverse=True)  # ids of one millisecond sort by their random part
+        page, cursor = await list_deliveries(store, limit=30)
+        assert [d["delivery_id"] for d in page] == newest[:30]
+        page, cursor = await list_deliveries(store, limit=30, cursor=cursor)
+        assert [d["delivery_id"] for d in page] == newest[30:50]
+        assert (await get_delivery(store, newest[0]))["status"] == 202
+    finally:
+        await client.aclose()

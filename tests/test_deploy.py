@@ -455,11 +455,13 @@ def unit_root(tmp_path: Path) -> UnitRoot:
     (root / "etc/systemd/system").mkdir(parents=True)
     shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
     shutil.copy(UNIT, root / "etc/systemd/system" / UNIT.name)
-    binary = Path(unit_settings()["ExecStart"][0].split()[0])
-    stub = root / binary.relative_to("/")
-    stub.parent.mkdir(parents=True)
-    stub.write_text("#!/bin/sh\n")
-    stub.chmod(0o755)
+    # A stand-in for each program the unit runs (the gateway, kill for a reload).
+    for setting in ("ExecStart", "ExecReload"):
+        binary = Path(unit_settings()[setting][0].split()[0])
+        stub = root / binary.relative_to("/")
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text("#!/bin/sh\n")
+        stub.chmod(0o755)
     return UnitRoot(analyze, root)
 
 

@@ -30,7 +30,7 @@ import redis as redis_sync
 from gateway.connection import check_redis_url, redact_url
 from gateway.verify import parse_verify, sign, verify
 from gateway.webhooks import BodyBudget, RequestHeaders
-from tests.listener import Listener
+from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer, free_port
 
 GITHUB_SECRET = "gh-edge-4d1c9a7e0b2f5836"
@@ -240,7 +240,7 @@ def test_forty_unsigned_20_mib_bodies_hold_bounded_memory(gateway, db):
         seconds=round(elapsed, 1),
     )
     assert rise < 300 * MiB, f"RSS rose by {rise / MiB:.0f} MiB"
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     # The budget was given back: a signed delivery now passes.
     body = _push()
     headers = {
@@ -358,7 +358,7 @@ def test_a_one_mib_header_is_431_and_never_reaches_the_app(gateway, db):
     assert reply.json()["code"] == "VALIDATION_HEADERS_TOO_LARGE"
     assert reply.headers["connection"] == "close"
     # Signed, so it would have started a run had it been processed: nothing stored.
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     figures("head_1mib", status=reply.status_code, reply_ms=round(elapsed * 1000, 1))
     # The same delivery with a head under the cap is served as usual: it starts the
     # run, and the log names its event id once (the refused one never reached the app).
@@ -408,7 +408,7 @@ def test_a_6_6_mib_stripe_signature_costs_no_cpu(gateway, db):
     )
     # Generous (about 1 ms measured; 150 ms before the cap): CPU time, not wall time.
     assert cpu < 0.1, cpu
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_heads_under_the_cap_pass_on_a_kept_alive_connection(small, db):
@@ -455,7 +455,7 @@ def test_a_5000_digit_stripe_timestamp_is_401_end_to_end(gateway, db):
     )
     assert reply.status_code == 401, reply.text
     assert reply.json()["code"] == "AUTH_REQUIRED"
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 class _Lookup:

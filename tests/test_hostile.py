@@ -29,7 +29,7 @@ from starlette.datastructures import Headers
 
 from gateway.keys import Keys
 from gateway.verify import VerifySpec, parse_verify, sign, verify
-from tests.listener import Listener
+from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer
 
 # Payloads and vectors kept with the tests (tests/payloads/README.md says where from).
@@ -289,7 +289,7 @@ def test_controls_valid_signatures_start_runs(http, db):
     assert reply.status_code == 202, reply.text
     reply = http.post("/hooks/token", content=b"{}", headers=sign(TOKEN, b"{}", time.time()))
     assert reply.status_code == 202, reply.text
-    assert db.dbsize() > 0
+    assert run_state_size(db) > 0
     figures("signature_controls", accepted=4)
 
 
@@ -340,7 +340,7 @@ def test_fixture_negative_vectors_end_to_end(http, db):
         latencies.append(time.perf_counter() - started)
         assert reply.status_code == 401, (v["id"], reply.text)
         assert_refused(reply, 401, "AUTH_REQUIRED")
-        assert db.dbsize() == 0, v["id"]
+        assert run_state_size(db) == 0, v["id"]
 
         # Control: the same path, body and secret with a correct signature is not a 401.
         verify_raw, _ = VECTOR_SCHEMES[v["scheme"]]
@@ -474,7 +474,7 @@ def test_hostile_signatures_end_to_end_are_401_and_write_nothing(http, db):
         started = time.perf_counter()
         reply = http.post(path, content=body, headers=headers)
         latencies.append(time.perf_counter() - started)
-        written = db.dbsize()
+        written = run_state_size(db)
         ok = (
             reply.status_code == 401
             and "Traceback" not in reply.text
@@ -622,7 +622,7 @@ def test_declared_oversize_body_is_413_before_it_is_sent(gateway, db):
     assert b"VALIDATION_BODY_TOO_LARGE" in raw
     assert b"Traceback" not in raw
     assert elapsed < 1.0
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     figures(
         "oversize_declared",
         declared_bytes=10 * 1024 * 1024,
@@ -677,7 +677,7 @@ def test_chunked_oversize_body_is_413_mid_stream(gateway, db):
     assert b"Traceback" not in raw
     assert sent < 1024 * 1024, sent
     assert replied < 2.0, replied
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     figures(
         "oversize_chunked",
         limit=MAX_BODY,
@@ -700,7 +700,7 @@ def test_body_at_the_limit_passes_one_byte_over_is_413(http, db):
     assert len(over) == MAX_BODY + 1
     reply = http.post("/hooks/github", content=over, headers=gh_headers(over))
     assert_refused(reply, 413, "VALIDATION_BODY_TOO_LARGE")
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     figures("body_limit_boundary", limit=MAX_BODY, at_limit=202, over_by_one=413)
 
 

@@ -35,7 +35,7 @@ from gateway.embedded import socket_answers, socket_path_for
 from gateway.keys import Keys
 from gateway.store import RunStore
 from gateway.verify import VerifySpec, parse_verify, sign
-from tests.listener import Listener
+from tests.listener import Listener, run_state_keys, run_state_size
 from tests.servers import RedisServer
 
 # Payloads kept with the tests (tests/payloads/README.md says where from).
@@ -502,7 +502,7 @@ def test_tampered_body_is_401_and_writes_nothing(http, db):
 
     assert reply.status_code == 401
     assert error_body(reply) == ("AUTH_REQUIRED", "signature did not verify: signature mismatch")
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_missing_or_wrong_secret_signature_is_401(http, db):
@@ -526,7 +526,7 @@ def test_missing_or_wrong_secret_signature_is_401(http, db):
         headers={**unsigned, "X-Hub-Signature-256": f"sha256={wrong}"},
     )
     assert reply.status_code == 401
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_stale_stripe_timestamp_is_401(http, db):
@@ -540,14 +540,14 @@ def test_stale_stripe_timestamp_is_401(http, db):
         "AUTH_REQUIRED",
         "signature did not verify: timestamp outside tolerance (300 s)",
     )
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_wrong_token_is_401(http, db):
     reply = http.post("/hooks/nightly-sync", content=b"{}", headers=token_headers("tok-guess"))
     assert reply.status_code == 401
     assert error_body(reply) == ("AUTH_REQUIRED", "signature did not verify: token mismatch")
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 # --------------------------------------------------------------------------- bodies and matching
@@ -639,7 +639,7 @@ def test_filtered_event_is_200_ignored_and_writes_nothing(http, db, event, ref, 
         "code": None,
     }
     assert result["message"].startswith(f"not matched: {reason}")
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_unknown_path_is_404_and_get_is_405(http, db):
@@ -651,7 +651,7 @@ def test_unknown_path_is_404_and_get_is_405(http, db):
     assert reply.status_code == 405
     assert error_body(reply) == ("METHOD_NOT_ALLOWED", "webhook routes take POST only")
     assert "POST" in reply.headers["allow"]
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def _padded_push(size: int) -> tuple[bytes, str]:
@@ -683,7 +683,7 @@ def test_body_over_max_body_bytes_is_413_and_at_the_limit_is_accepted(http, db):
     headers = github_headers(over, delivery=new_delivery())
     reply = http.post("/hooks/github", content=chunks(), headers=headers)
     assert reply.status_code == 413
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
     at_limit, _ = _padded_push(MAX_BODY)
     reply = post_github(http, at_limit, delivery=new_delivery())
@@ -704,7 +704,7 @@ def test_params_failing_params_schema_is_422_and_writes_nothing(http, db):
     assert result["code"] == "VALIDATION_PARAMS"
     assert result["run_id"] is None
     assert "sha" in result["message"]
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_missing_event_id_is_422_and_writes_nothing(http, db):
@@ -717,7 +717,7 @@ def test_missing_event_id_is_422_and_writes_nothing(http, db):
     assert result["message"] == (
         "event id is missing: header X-GitHub-Delivery has no string or integer value"
     )
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 def test_signed_unparseable_json_is_400(http, db):
@@ -728,7 +728,7 @@ def test_signed_unparseable_json_is_400(http, db):
     code, message = error_body(reply)
     assert code == "VALIDATION_BODY"
     assert message.startswith("body is not parseable: body is not valid JSON")
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
 
 # --------------------------------------------------------------------------- singletons
@@ -1165,7 +1165,7 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
             env=ENV,
         )
 
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
     result = dry_run()
     assert result.returncode == 0, result.stderr
     params = json.dumps({"repo": "octo-org/shop-api", "sha": sha}, separators=(",", ":"))
@@ -1179,7 +1179,7 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
         f"  params: {params}",
         "  result: a claim now would start a new run",
     ]
-    assert db.dbsize() == 0
+    assert run_state_size(db) == 0
 
     run_id = started(
         post_github(http, body, delivery=delivery),
@@ -1187,16 +1187,16 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
         "deploy",
         "fetch",
     )
-    size = db.dbsize()
-    snapshot = {key: db.type(key) for key in db.keys("*")}
+    size = run_state_size(db)
+    snapshot = {key: db.type(key) for key in run_state_keys(db)}
 
     result = dry_run()
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"  result: a claim now would return run {run_id} (deduplicated, phase 'running')"
     )
-    assert db.dbsize() == size
-    assert {key: db.type(key) for key in db.keys("*")} == snapshot
+    assert run_state_size(db) == size
+    assert {key: db.type(key) for key in run_state_keys(db)} == snapshot
     assert runs_of(db, "deploy") == [run_id]
     assert db.xlen(DEPLOY.stream()) == 1
     for secret in SECRETS:
@@ -1209,7 +1209,7 @@ def test_triggers_test_dry_run_writes_nothing_and_sees_the_run_after_a_delivery(
     assert result.stdout.splitlines()[-1] == (
         f"  result: a claim now would return run {run_id} (deduplicated, phase 'running')"
     )
-    assert db.dbsize() == size
+    assert run_state_size(db) == size
 
 
 # --------------------------------------------------------------------------- shipped config

@@ -34,6 +34,10 @@ TOOLS = {
     "cancel_run",
     "complete_step",
     "fail_run",
+    # The delivery log's (tests/test_mcp_deliveries.py).
+    "list_deliveries",
+    "get_delivery",
+    "replay_delivery",
 }
 
 
@@ -285,8 +289,9 @@ async def test_run_lifecycle_replies(connect: Callable[..., Any]) -> None:
         assert [line.split()[0] for line in page[:2]] == [third, by_key]
         assert page[0].split()[1:] == ["sync", "running", "fetch", "-"]
         assert page[1].split()[1:] == ["sync", "cancelled", "fetch", "b"]
-        assert page[2] == "cursor: 2"
-        rest = await tools.ok("list_runs", workflow_id="sync", limit=2, cursor="2")
+        # The cursor is the position of the last run shown: its index score and id.
+        assert re.fullmatch(rf"cursor: [0-9]{{16}}\.{by_key}", page[2])
+        rest = await tools.ok("list_runs", workflow_id="sync", limit=2, cursor=page[2][8:])
         assert [line.split()[0] for line in rest.split("\n")][:1] == [live]
         only = await tools.ok("list_runs", workflow_id="sync", phase="cancelled")
         assert {line.split()[0] for line in only.split("\n")} == {live, by_key}

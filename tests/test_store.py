@@ -9,6 +9,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.config import Config
+from gateway.deliveries import Received, list_deliveries, write_records
+from gateway.delivery import error_reply
 from gateway.errors import RealmError
 from gateway.keys import Keys
 from gateway.reconcile import reconcile
@@ -406,6 +408,11 @@ async def test_ended_runs_and_their_pointers_expire_live_runs_never(store: RunSt
     )
 
 
+def _received() -> Received:
+    """A refused delivery, as the delivery log records it."""
+    return Received(1, "/hooks/x", error_reply(401, "AUTH_REQUIRED", "no"), 1.0, "v", [])
+
+
 async def test_every_key_a_script_touches_shares_one_cluster_slot(
     store: RunStore, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ):
@@ -441,6 +448,8 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     [taken] = await store.take_steps("sync", "r1")
     await store.extend_lease(taken.run_id, taken.step, taken.lease)
     await store.fail_step(taken.run_id, taken.step, "boom", lease=taken.lease)
+    await write_records(store, store.config.settings, [_received()])
+    await list_deliveries(store)
 
     assert {name for name, _ in seen} == set(SCRIPT_NAMES)
     for name, keys in seen:
