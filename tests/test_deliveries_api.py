@@ -8,8 +8,6 @@ the log (``wait_for``), with a deadline.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
 import signal
@@ -27,6 +25,7 @@ import redis
 
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import github_headers
 
 TOKEN = "deliveries-api-token-51c2"
 GIT_SECRET = "git-secret-0d9e4a"
@@ -81,14 +80,7 @@ def api(listener: Listener, module_redis: RedisServer) -> Iterator[httpx.Client]
 def github(
     client: httpx.Client, body: bytes, *, event: str = "push", delivery: str = "d-1", **more: str
 ) -> httpx.Response:
-    digest = hmac.new(GIT_SECRET.encode(), body, hashlib.sha256).hexdigest()
-    headers = {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": event,
-        "X-GitHub-Delivery": delivery,
-        "X-Hub-Signature-256": f"sha256={digest}",
-        **more,
-    }
+    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery, **more)
     # No bearer token on a webhook: the sender's own headers only.
     return httpx.post(str(client.base_url.join("/hooks/git")), content=body, headers=headers)
 

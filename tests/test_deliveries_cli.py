@@ -3,8 +3,6 @@ the log a real `realm listen` wrote to a real Redis."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -23,6 +21,7 @@ import redis
 from gateway.deliveries import OUTCOMES, LogKeys
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import github_headers
 
 GIT_SECRET = "git-secret-cli-3f81"
 HOOK_TOKEN = "hook-token-cli-a07c"
@@ -124,13 +123,7 @@ def send(db: redis.Redis, url: str, body: bytes, headers: dict[str, str]) -> htt
 
 
 def github(db: redis.Redis, base: str, body: bytes, event: str = "push", delivery: str = "d-1"):
-    digest = hmac.new(GIT_SECRET.encode(), body, hashlib.sha256).hexdigest()
-    headers = {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": event,
-        "X-GitHub-Delivery": delivery,
-        "X-Hub-Signature-256": f"sha256={digest}",
-    }
+    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery)
     return send(db, base + "/hooks/git", body, headers)
 
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import hashlib
-import hmac
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -34,6 +31,7 @@ from gateway.errors import RealmError
 from gateway.serving import triggers_by_path
 from gateway.store import RunStore
 from gateway.webhooks import RequestHeaders
+from tests.signing import github_headers
 
 SECRET = "it's-a-secret-to-everybody"
 CONFIG = """
@@ -60,18 +58,20 @@ def load(text: str = CONFIG) -> Config:
     return parse_config(text, file="test.yaml", env={"GH_SECRET": SECRET})
 
 
+# Sent beside the signature: credentials a record must leave out, and one it keeps.
+ALSO_SENT = {
+    "X-Hub-Signature": "sha1=0000",
+    "Authorization": "Bearer abc",
+    "Cookie": "session=1",
+    "User-Agent": "GitHub-Hookshot/abc",
+}
+
+
 def signed(body: bytes, event: str = "push", delivery: str | None = None) -> list[list[str]]:
-    digest = hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
-    return [
-        ["content-type", "application/json"],
-        ["x-github-event", event],
-        ["x-github-delivery", delivery or str(uuid.uuid4())],
-        ["x-hub-signature-256", f"sha256={digest}"],
-        ["x-hub-signature", "sha1=0000"],
-        ["authorization", "Bearer abc"],
-        ["cookie", "session=1"],
-        ["user-agent", "GitHub-Hookshot/abc"],
-    ]
+    """A GitHub delivery's headers as the listener receives them (lower-case), the
+    signature fourth."""
+    headers = github_headers(body, SECRET, event=event, delivery=delivery, **ALSO_SENT)
+    return [[name.lower(), value] for name, value in headers.items()]
 
 
 def raw(headers: list[list[str]]) -> list[tuple[bytes, bytes]]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -46,6 +44,7 @@ from gateway.connection import check_redis_url
 from gateway.listen import GRACEFUL_SHUTDOWN_SECONDS
 from tests.listener import LOGS
 from tests.servers import RedisServer, free_port
+from tests.signing import github_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -515,13 +514,7 @@ def _github_delivery(secret: str, delivery: str) -> tuple[bytes, dict[str, str]]
         "ref": "refs/heads/main", "after": "9f1c2e3d4b5a69788796a5b4c3d2e1f001122334",
         "repository": {"full_name": "acme/app"},
     }).encode()  # fmt: skip
-    signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-    return body, {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": delivery,
-        "X-Hub-Signature-256": f"sha256={signature}",
-    }
+    return body, github_headers(body, secret, delivery=delivery)
 
 
 @dataclass

@@ -28,13 +28,15 @@ import pytest
 import redis as redis_sync
 
 from gateway.connection import check_redis_url, redact_url
-from gateway.verify import parse_verify, sign, verify
+from gateway.verify import parse_verify, verify
 from gateway.webhooks import BodyBudget, RequestHeaders
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer, free_port
+from tests.signing import github_headers, standard_headers
 
 GITHUB_SECRET = "gh-edge-4d1c9a7e0b2f5836"
 STRIPE_SECRET = "whsec_edgeStripeSecret7a1c3e5f"
+STANDARD_SECRET = "whsec_ZWRnZS1zdGFuZGFyZC1rZXk="
 TRIGGER_TOKEN = "tok-edge-8c2e4a6b0d1f3957"
 API_TOKEN = "ädmin-tökén-✓-5c1e9a2b7d"  # non-ASCII on purpose
 ENV = {
@@ -69,9 +71,6 @@ triggers:
 """
 CONFIG = "version: 1\n" + TRIGGERS  # default settings: the budget and head cap under test
 
-GITHUB = parse_verify(
-    {"scheme": "github", "secret_env": "G"}, file="t", trigger="t", env={"G": GITHUB_SECRET}
-)
 STRIPE = parse_verify(
     {"scheme": "stripe", "secret_env": "S"}, file="t", trigger="t", env={"S": STRIPE_SECRET}
 )
@@ -79,7 +78,7 @@ STANDARD = parse_verify(
     {"scheme": "standard", "secret_env": "W"},
     file="t",
     trigger="t",
-    env={"W": "whsec_ZWRnZS1zdGFuZGFyZC1rZXk="},
+    env={"W": STANDARD_SECRET},
 )
 
 MiB = 1024 * 1024
@@ -243,11 +242,7 @@ def test_forty_unsigned_20_mib_bodies_hold_bounded_memory(gateway, db):
     assert run_state_size(db) == 0
     # The budget was given back: a signed delivery now passes.
     body = _push()
-    headers = {
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": str(uuid.uuid4()),
-        **sign(GITHUB, body, time.time()),
-    }
+    headers = github_headers(body, GITHUB_SECRET, content_type=None)
     assert (
         httpx.post(
             gateway.base_url + "/hooks/github", content=body, headers=headers, timeout=10
@@ -342,12 +337,7 @@ def test_budget_unit() -> None:
 
 def test_a_one_mib_header_is_431_and_never_reaches_the_app(gateway, db):
     body = _push()
-    headers = {
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": str(uuid.uuid4()),
-        **sign(GITHUB, body, time.time()),
-        "X-Pad": "p" * MiB,
-    }
+    headers = github_headers(body, GITHUB_SECRET, content_type=None, **{"X-Pad": "p" * MiB})
     delivery = headers["X-GitHub-Delivery"]
     started = time.perf_counter()
     reply = httpx.post(
@@ -416,12 +406,9 @@ def test_heads_under_the_cap_pass_on_a_kept_alive_connection(small, db):
     with httpx.Client(base_url=small.base_url, timeout=10) as client:
         for _ in range(5):
             body = _push()
-            headers = {
-                "X-GitHub-Event": "push",
-                "X-GitHub-Delivery": str(uuid.uuid4()),
-                "X-Pad": "p" * 3000,
-                **sign(GITHUB, body, time.time()),
-            }
+            headers = github_headers(
+                body, GITHUB_SECRET, content_type=None, **{"X-Pad": "p" * 3000}
+            )
             assert client.post("/hooks/github", content=body, headers=headers).status_code == 202
         headers["X-Pad"] = "p" * 5000
         reply = client.post("/hooks/github", content=body, headers=headers)
@@ -438,7 +425,7 @@ def test_overlong_timestamps_are_refused_not_raised(digits: int) -> None:
     t = "1" * digits
     stripe = {"stripe-signature": [f"t={t},v1=" + "0" * 64]}
     assert verify(STRIPE, _Lookup(stripe), body, time.time()) == "malformed header Stripe-Signature"
-    headers = sign(STANDARD, body, time.time())
+    headers = standard_headers(body, STANDARD_SECRET, content_type=None)
     standard = {k: [v] for k, v in headers.items()} | {"webhook-timestamp": [t]}
     assert (
         verify(STANDARD, _Lookup(standard), body, time.time())
@@ -585,11 +572,7 @@ def test_an_unreachable_store_is_said_at_start_and_readyz_carries_a_code(tmp_pat
             "message": "the store (Redis) is not ready; the gateway log says why",
         }
         body = _push()
-        headers = {
-            "X-GitHub-Event": "push",
-            "X-GitHub-Delivery": str(uuid.uuid4()),
-            **sign(GITHUB, body, time.time()),
-        }
+        headers = github_headers(body, GITHUB_SECRET, content_type=None)
         reply = httpx.post(
             listener.base_url + "/hooks/github", content=body, headers=headers, timeout=10
         )
@@ -649,11 +632,7 @@ def test_a_busy_server_gives_503_with_a_code_everywhere(start_redis, tmp_path: P
         else:
             pytest.fail("the server never answered BUSY")
         body = _push()
-        headers = {
-            "X-GitHub-Event": "push",
-            "X-GitHub-Delivery": str(uuid.uuid4()),
-            **sign(GITHUB, body, time.time()),
-        }
+        headers = github_headers(body, GITHUB_SECRET, content_type=None)
         with httpx.Client(base_url=listener.base_url, timeout=15) as http:
             hook = http.post("/hooks/github", content=body, headers=headers)
             api = http.get(

@@ -37,7 +37,6 @@ import redis as redis_sync
 
 from gateway.keys import Keys
 from gateway.scripts import script_source
-from gateway.verify import parse_verify, sign
 from tests.listener import Listener
 from tests.senders import (
     Attempt,
@@ -49,13 +48,11 @@ from tests.senders import (
     warm_up,
 )
 from tests.servers import RedisServer
+from tests.signing import github_headers
 from tests.tcp_proxy import TcpProxy
 
 GITHUB_SECRET = "gh-faults-7d41c09e2b5a83f6"
 ENV = {"GITHUB_WEBHOOK_SECRET": GITHUB_SECRET}
-GITHUB = parse_verify(
-    {"scheme": "github", "secret_env": "GITHUB_WEBHOOK_SECRET"}, file="t", trigger="t", env=ENV
-)
 DEPLOY = Keys("realm", "deploy")
 SENDERS = 32
 TIMEOUT_503 = 3.5  # settings.redis_timeout (2 s) plus scheduling slack
@@ -92,7 +89,6 @@ triggers:
 def make_events(n: int, seed: int) -> list[Delivery]:
     """``n`` distinct GitHub push deliveries, signed as GitHub signs them."""
     rng = random.Random(seed)
-    now = time.time()
     events = []
     for i in range(n):
         event_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))
@@ -107,13 +103,9 @@ def make_events(n: int, seed: int) -> list[Delivery]:
                 "head_commit": {"id": sha, "message": f"change {i}"},
             }
         )
-        headers = {
-            "Content-Type": "application/json",
-            "User-Agent": "GitHub-Hookshot/7f3d1c2",
-            "X-GitHub-Event": "push",
-            "X-GitHub-Delivery": event_id,
-            **sign(GITHUB, body, now),
-        }
+        headers = github_headers(
+            body, GITHUB_SECRET, delivery=event_id, **{"User-Agent": "GitHub-Hookshot/7f3d1c2"}
+        )
         events.append(Delivery(event_id, body, headers))
     return events
 

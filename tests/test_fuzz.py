@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 
 from gateway.config import parse_config
 from gateway.errors import ConfigError
-from gateway.verify import parse_verify, sign
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer
+from tests.signing import github_signature, standard_headers
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "triggers.yaml"
 
@@ -117,15 +117,6 @@ triggers:
     params: {{id: $.id}}
 """
 
-GITHUB = parse_verify(
-    {"scheme": "github", "secret_env": "GITHUB_WEBHOOK_SECRET"}, file="t", trigger="t", env=ENV
-)
-STANDARD = parse_verify(
-    {"scheme": "standard", "secret_env": "STANDARD_WEBHOOK_SECRET"},
-    file="t",
-    trigger="t",
-    env=ENV,
-)
 
 SIGNED_STATUSES = {200, 202, 400, 409, 413, 422}
 VERIFY_HEADERS = {
@@ -316,6 +307,13 @@ extra_headers = st.lists(
 )
 
 
+def _signature(path: str, body: bytes) -> dict[str, str]:
+    """The headers that sign ``body`` for the trigger at ``path``."""
+    if path == "/hooks/standard":
+        return standard_headers(body, STANDARD_SECRET, content_type=None)
+    return {"X-Hub-Signature-256": github_signature(GITHUB_SECRET, body)}
+
+
 def _post(
     http: httpx.Client,
     path: str,
@@ -328,12 +326,10 @@ def _post(
     if content_type is not None:
         headers.append(("Content-Type", content_type.encode("latin-1")))
     headers += [(k, v) for k, v in extra if k.lower() not in VERIFY_HEADERS | FRAMING_HEADERS]
-    spec = STANDARD if path == "/hooks/standard" else GITHUB
-    if signing == "signed":
-        headers += [(k, v.encode()) for k, v in sign(spec, body, time.time()).items()]
-    elif signing == "forged":
-        forged = sign(spec, body + b" ", time.time())
-        headers += [(k, v.encode()) for k, v in forged.items()]
+    if signing != "unsigned":
+        # Forged: signed over another body.
+        signed = body if signing == "signed" else body + b" "
+        headers += [(k, v.encode()) for k, v in _signature(path, signed).items()]
     return http.post(path, content=body, headers=headers)
 
 
@@ -546,7 +542,7 @@ def _mutate(text: str, old: str, new: str) -> str:
 def _cli_cases() -> dict[str, str]:
     text = SHIPPED_CONFIG.read_text()
     return {
-        "unknown-scheme": _mutate(text, "{scheme: github,", "{scheme: gitlab,"),
+        "unknown-scheme": _mutate(text, "{scheme: github,", "{scheme: gitlub,"),
         "bad-jsonpath": _mutate(text, "sha: $.after", "sha: '$[?(@.a ==]'"),
         "bad-regex": _mutate(text, "matches: '^(invoice", "matches: '(?P<(invoice"),
         "steps-not-a-list": _mutate(text, "steps: [rebuild]", "steps: rebuild"),

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import hmac
 import json
 import socket
 import statistics
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,16 @@ import redis as redis_sync
 from starlette.datastructures import Headers
 
 from gateway.keys import Keys
-from gateway.verify import VerifySpec, parse_verify, sign, verify
+from gateway.verify import VerifySpec, parse_verify, verify
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer
+from tests.signing import (
+    github_headers,
+    github_signature,
+    standard_headers,
+    stripe_headers,
+    stripe_signature,
+)
 
 # Payloads and vectors kept with the tests (tests/payloads/README.md says where from).
 PAYLOADS = Path(__file__).resolve().parent / "payloads"
@@ -149,11 +156,6 @@ def _spec(raw: dict[str, Any], env: dict[str, str] = ENV) -> VerifySpec:
     return parse_verify(raw, file="t", trigger="t", env=env)
 
 
-GITHUB = _spec({"scheme": "github", "secret_env": "GITHUB_WEBHOOK_SECRET"})
-STRIPE = _spec({"scheme": "stripe", "secret_env": "STRIPE_WEBHOOK_SECRET"})
-STANDARD = _spec({"scheme": "standard", "secret_env": "STANDARD_WEBHOOK_SECRET"})
-TOKEN = _spec({"scheme": "token", "header": "X-Realm-Token", "secret_env": "REALM_TRIGGER_TOKEN"})
-
 HeaderList = list[tuple[str, str]]
 
 
@@ -191,13 +193,7 @@ def reserialised(body: bytes) -> bytes:
 
 
 def gh_headers(body: bytes, delivery: str | None = None, **extra: str) -> HeaderList:
-    return [
-        ("Content-Type", "application/json"),
-        ("X-GitHub-Event", "push"),
-        ("X-GitHub-Delivery", delivery or str(uuid.uuid4())),
-        *sign(GITHUB, body, time.time()).items(),
-        *extra.items(),
-    ]
+    return list(github_headers(body, GITHUB_SECRET, delivery=delivery, **extra).items())
 
 
 def stripe_body() -> bytes:
@@ -206,8 +202,9 @@ def stripe_body() -> bytes:
     ).encode()
 
 
-def stripe_sig(body: bytes, t: int | str, secret: str = STRIPE_SECRET) -> str:
-    return hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+# (body, t) -> the v1 signature; (body, msg_id=, timestamp=) -> the webhook-* headers.
+stripe_sig = partial(stripe_signature, STRIPE_SECRET)
+std_signed = partial(standard_headers, secret=STANDARD_SECRET, content_type=None)
 
 
 def std_body() -> bytes:
@@ -277,17 +274,16 @@ def test_controls_valid_signatures_start_runs(http, db):
     body = push_body()
     assert http.post("/hooks/github", content=body, headers=gh_headers(body)).status_code == 202
     body = stripe_body()
-    t = int(time.time())
     reply = http.post(
         "/hooks/stripe",
         content=body,
-        headers={"Stripe-Signature": f"t={t},v1={stripe_sig(body, t)}"},
+        headers=stripe_headers(body, STRIPE_SECRET, content_type=None),
     )
     assert reply.status_code == 202, reply.text
     body = std_body()
-    reply = http.post("/hooks/standard", content=body, headers=sign(STANDARD, body, time.time()))
+    reply = http.post("/hooks/standard", content=body, headers=std_signed(body))
     assert reply.status_code == 202, reply.text
-    reply = http.post("/hooks/token", content=b"{}", headers=sign(TOKEN, b"{}", time.time()))
+    reply = http.post("/hooks/token", content=b"{}", headers={"X-Realm-Token": TRIGGER_TOKEN})
     assert reply.status_code == 202, reply.text
     assert run_state_size(db) > 0
     figures("signature_controls", accepted=4)
@@ -311,16 +307,28 @@ def _fresh_variant(v: dict[str, Any], body: bytes, secret: str) -> HeaderList:
     (sent as is, it would also fail on its old timestamp, which proves nothing)."""
     now = int(time.time())
     if v["id"] == "stripe-negative-v0-only":
-        return [("Stripe-Signature", f"t={now},v0={stripe_sig(body, now, secret)}")]
+        return [("Stripe-Signature", f"t={now},v0={stripe_signature(secret, body, now)}")]
     if v["id"] == "stripe-negative-stale":
         old = now - (int(v["verify_at"]) - int(v["timestamp"]))
-        return [("Stripe-Signature", f"t={old},v1={stripe_sig(body, old, secret)}")]
+        return [("Stripe-Signature", f"t={old},v1={stripe_signature(secret, body, old)}")]
     if v["id"] == "standard-webhooks-negative-id-mismatch":
-        spec = _spec({"scheme": "standard", "secret_env": "S"}, {"S": secret})
         sent_id = v["headers"]["webhook-id"]
-        signed = sign(spec, body, now, event_id=sent_id[:-1])
+        signed = standard_headers(
+            body, secret, msg_id=sent_id[:-1], timestamp=now, content_type=None
+        )
         return list(with_replaced(list(signed.items()), "webhook-id", sent_id))
     return list(v["headers"].items())
+
+
+def _signed(scheme: str, body: bytes, secret: str) -> dict[str, str]:
+    """The headers that sign ``body`` correctly for a vector's scheme."""
+    if scheme == "github":
+        return {"X-Hub-Signature-256": github_signature(secret, body)}
+    if scheme == "stripe":
+        return stripe_headers(body, secret, content_type=None)
+    if scheme == "standard-webhooks":
+        return standard_headers(body, secret, content_type=None)
+    return {"X-Gitlab-Token": secret}  # gitlab: the token itself
 
 
 def test_fixture_negative_vectors_end_to_end(http, db):
@@ -343,9 +351,7 @@ def test_fixture_negative_vectors_end_to_end(http, db):
         assert run_state_size(db) == 0, v["id"]
 
         # Control: the same path, body and secret with a correct signature is not a 401.
-        verify_raw, _ = VECTOR_SCHEMES[v["scheme"]]
-        spec = _spec({**verify_raw, "secret_env": "S"}, {"S": v["secret"]})
-        good = sign(spec, body, time.time())
+        good = _signed(v["scheme"], body, v["secret"])
         assert http.post(path, content=body, headers=good).status_code != 401, v["id"]
         db.flushall()
     figures(
@@ -383,11 +389,10 @@ def _hostile_cases() -> list[tuple[str, Callable[[], tuple[str, bytes, HeaderLis
         b, with_replaced(h, "X-Hub-Signature-256", "sha1=" + sig_of(h)[7:])))  # fmt: skip
     gh("sha1-prefix-sha1-value", lambda b, h: (b, with_replaced(
         h, "X-Hub-Signature-256",
-        "sha1=" + hmac.new(GITHUB_SECRET.encode(), b, hashlib.sha1).hexdigest())))  # fmt: skip
+        github_signature(GITHUB_SECRET, b, algorithm="sha1"))))  # fmt: skip
     gh("x-hub-signature-sha1-only", lambda b, h: (b, [
         *with_replaced(h, "X-Hub-Signature-256", None),
-        ("X-Hub-Signature",
-         "sha1=" + hmac.new(GITHUB_SECRET.encode(), b, hashlib.sha1).hexdigest()),
+        ("X-Hub-Signature", github_signature(GITHUB_SECRET, b, algorithm="sha1")),
     ]))  # fmt: skip
     gh("missing-header", lambda b, h: (b, with_replaced(h, "X-Hub-Signature-256", None)))
     gh("empty-header", lambda b, h: (b, with_replaced(h, "X-Hub-Signature-256", "")))
@@ -397,7 +402,7 @@ def _hostile_cases() -> list[tuple[str, Callable[[], tuple[str, bytes, HeaderLis
         b, [*h, ("X-Hub-Signature-256", "sha256=" + "0" * 64)]))  # fmt: skip
     gh("wrong-secret", lambda b, h: (b, with_replaced(
         h, "X-Hub-Signature-256",
-        "sha256=" + hmac.new(b"not-the-secret", b, hashlib.sha256).hexdigest())))  # fmt: skip
+        github_signature("not-the-secret", b))))  # fmt: skip
     gh("reserialised-json-body", lambda b, h: (reserialised(b), h))
 
     def stripe(name: str, fn: Callable[[bytes, int], tuple[bytes, HeaderList]]) -> None:
@@ -421,13 +426,13 @@ def _hostile_cases() -> list[tuple[str, Callable[[], tuple[str, bytes, HeaderLis
         b, [("Stripe-Signature", f"t={t},v0={stripe_sig(b, t)}")]))  # fmt: skip
     stripe("empty-header", lambda b, t: (b, [("Stripe-Signature", "")]))
     stripe("repeated-header-both-valid", lambda b, t: (b, ss(t, stripe_sig(b, t)) * 2))
-    stripe("wrong-secret", lambda b, t: (b, ss(t, stripe_sig(b, t, "whsec_other"))))
+    stripe("wrong-secret", lambda b, t: (b, ss(t, stripe_signature("whsec_other", b, t))))
     stripe("reserialised-json-body", lambda b, t: (reserialised(b), ss(t, stripe_sig(b, t))))
 
     def std(name: str, fn: Callable[[bytes, dict[str, str]], tuple[bytes, HeaderList]]) -> None:
         def build() -> tuple[str, bytes, HeaderList]:
             body = std_body()
-            out_body, headers = fn(body, sign(STANDARD, body, time.time()))
+            out_body, headers = fn(body, std_signed(body))
             return "/hooks/standard", out_body, [("Content-Type", "application/json"), *headers]
 
         cases.append((f"standard:{name}", build))
@@ -442,10 +447,10 @@ def _hostile_cases() -> list[tuple[str, Callable[[], tuple[str, bytes, HeaderLis
     std("flipped-body-byte", lambda b, h: (flip_byte(b, 5), list(h.items())))
     std("truncated-signature", lambda b, h: (
         b, swap(h, "webhook-signature", h["webhook-signature"][:-6])))  # fmt: skip
-    std("timestamp-301s-old", lambda b, h: (b, list(sign(
-        STANDARD, b, time.time() - 301, event_id=h["webhook-id"]).items())))  # fmt: skip
-    std("timestamp-10min-future", lambda b, h: (b, list(sign(
-        STANDARD, b, time.time() + 600, event_id=h["webhook-id"]).items())))  # fmt: skip
+    std("timestamp-301s-old", lambda b, h: (b, list(std_signed(
+        b, msg_id=h["webhook-id"], timestamp=time.time() - 301).items())))  # fmt: skip
+    std("timestamp-10min-future", lambda b, h: (b, list(std_signed(
+        b, msg_id=h["webhook-id"], timestamp=time.time() + 600).items())))  # fmt: skip
     std("empty-signature", lambda b, h: (b, swap(h, "webhook-signature", "")))
     std("repeated-signature-both-valid", lambda b, h: (
         b, [*h.items(), ("webhook-signature", h["webhook-signature"])]))  # fmt: skip

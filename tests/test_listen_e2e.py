@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from gateway.connection import redis_client
 from gateway.embedded import socket_answers, socket_path_for
 from gateway.keys import Keys
 from gateway.store import RunStore
-from gateway.verify import VerifySpec, parse_verify, sign
+from tests import signing
 from tests.listener import Listener, run_state_keys, run_state_size
 from tests.servers import RedisServer
 
@@ -163,13 +162,9 @@ triggers:
 """
 
 
-def _spec(raw: dict[str, Any]) -> VerifySpec:
-    return parse_verify(raw, file="t", trigger="t", env=ENV)
-
-
-GITHUB = _spec({"scheme": "github", "secret_env": "GITHUB_WEBHOOK_SECRET"})
-STRIPE = _spec({"scheme": "stripe", "secret_env": "STRIPE_WEBHOOK_SECRET"})
-STANDARD = _spec({"scheme": "standard", "secret_env": "STANDARD_WEBHOOK_SECRET"})
+# What GitHub and Stripe send beside the headers they sign.
+GITHUB_SENDS = {"User-Agent": "GitHub-Hookshot/7f3d1c2", "X-GitHub-Hook-ID": "480012345"}
+STRIPE_SENDS = {"User-Agent": "Stripe/1.0 (+https://stripe.com/docs/webhooks)"}
 
 DEPLOY = Keys("realm", "deploy")
 
@@ -269,19 +264,12 @@ def dumps(doc: object) -> bytes:
 
 
 def github_headers(
-    body: bytes, *, event: str = "push", delivery: str | None = None, **extra: str
+    body: bytes, *, event: str = "push", delivery: str | None = None
 ) -> dict[str, str]:
-    headers = {
-        "Content-Type": "application/json",
-        "User-Agent": "GitHub-Hookshot/7f3d1c2",
-        "X-GitHub-Event": event,
-        "X-GitHub-Hook-ID": "480012345",
-        **sign(GITHUB, body, time.time()),
-        **extra,
-    }
-    if delivery is not None:
-        headers["X-GitHub-Delivery"] = delivery
-    return headers
+    """Signed as GitHub signs; a fresh ``X-GitHub-Delivery`` unless ``delivery`` is given."""
+    return signing.github_headers(
+        body, GITHUB_SECRET, event=event, delivery=delivery, **GITHUB_SENDS
+    )
 
 
 def post_github(
@@ -292,18 +280,14 @@ def post_github(
     event: str = "push",
     path: str = "/hooks/github",
 ) -> httpx.Response:
-    """POST ``body`` signed as GitHub would, with ``X-GitHub-Delivery`` when given."""
+    """POST ``body`` signed as GitHub would, with a fresh ``X-GitHub-Delivery`` unless given."""
     return http.post(
         path, content=body, headers=github_headers(body, event=event, delivery=delivery)
     )
 
 
 def stripe_headers(body: bytes, now: float) -> dict[str, str]:
-    return {
-        "Content-Type": "application/json; charset=utf-8",
-        "User-Agent": "Stripe/1.0 (+https://stripe.com/docs/webhooks)",
-        **sign(STRIPE, body, now),
-    }
+    return signing.stripe_headers(body, STRIPE_SECRET, timestamp=now, **STRIPE_SENDS)
 
 
 def token_headers(token: str = TRIGGER_TOKEN, **extra: str) -> dict[str, str]:
@@ -519,11 +503,9 @@ def test_missing_or_wrong_secret_signature_is_401(http, db):
         "signature did not verify: missing header X-Hub-Signature-256",
     )
 
-    wrong = hmac.new(b"not-the-secret", body, hashlib.sha256).hexdigest()
+    wrong = signing.github_signature("not-the-secret", body)
     reply = http.post(
-        "/hooks/github",
-        content=body,
-        headers={**unsigned, "X-Hub-Signature-256": f"sha256={wrong}"},
+        "/hooks/github", content=body, headers={**unsigned, "X-Hub-Signature-256": wrong}
     )
     assert reply.status_code == 401
     assert run_state_size(db) == 0
@@ -556,13 +538,9 @@ def test_wrong_token_is_401(http, db):
 def test_form_encoded_github_delivery_starts_a_run(http, db):
     sha = sha40()
     form = urlencode({"payload": json.dumps(push_payload(sha=sha))}).encode()
-    signature = "sha256=" + hmac.new(GITHUB_SECRET.encode(), form, hashlib.sha256).hexdigest()
-    headers = {
-        "Content-Type": "application/x-www-form-urlencoded",
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": new_delivery(),
-        "X-Hub-Signature-256": signature,
-    }
+    headers = signing.github_headers(
+        form, GITHUB_SECRET, content_type="application/x-www-form-urlencoded"
+    )
 
     reply = http.post("/hooks/github", content=form, headers=headers)
 
@@ -576,7 +554,7 @@ def test_form_encoded_github_delivery_starts_a_run(http, db):
 
 def test_fan_out_one_path_two_triggers_two_workflows(http, db):
     body = dumps({"type": "invoice.created", "data": {"invoice": "inv_2087", "total": 4900}})
-    headers = {"Content-Type": "application/json", **sign(STANDARD, body, time.time())}
+    headers = signing.standard_headers(body, STANDARD_SECRET)
     msg_id = headers["webhook-id"]
 
     reply = http.post("/hooks/events", content=body, headers=headers)
@@ -597,10 +575,9 @@ def test_fan_out_one_path_two_triggers_two_workflows(http, db):
     retry = http.post(
         "/hooks/events",
         content=body,
-        headers={
-            "Content-Type": "application/json",
-            **sign(STANDARD, body, time.time() + 1, event_id=msg_id),
-        },
+        headers=signing.standard_headers(
+            body, STANDARD_SECRET, msg_id=msg_id, timestamp=time.time() + 1
+        ),
     )
     assert retry.status_code == 200, retry.text
     assert [(r["outcome"], r["run_id"]) for r in retry.json()["results"]] == [
@@ -709,7 +686,9 @@ def test_params_failing_params_schema_is_422_and_writes_nothing(http, db):
 
 def test_missing_event_id_is_422_and_writes_nothing(http, db):
     body = dumps(push_payload())
-    reply = post_github(http, body)
+    headers = github_headers(body)
+    del headers["X-GitHub-Delivery"]
+    reply = http.post("/hooks/github", content=body, headers=headers)
 
     assert reply.status_code == 422, reply.text
     [result] = reply.json()["results"]

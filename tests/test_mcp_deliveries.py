@@ -4,8 +4,6 @@ mcp`` as a subprocess, driven by the ``mcp`` SDK's client, reading the log a rea
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import sys
 import time
@@ -22,6 +20,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from gateway.deliveries import OUTCOMES, LogKeys
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import github_headers
 from tests.test_mcp import ROOT, UUID, Tools
 
 GIT_SECRET = "git-secret-mcp-88d2"
@@ -90,9 +89,7 @@ def push(db: redis.Redis, base_url: str, event: str = "push", delivery: str = "d
     keys = LogKeys("realm")
     before = db.zcard(keys.index) + db.zcard(keys.refused)
     body = b'{"ref": "refs/heads/main"}'
-    digest = hmac.new(GIT_SECRET.encode(), body, hashlib.sha256).hexdigest()
-    headers = {"X-GitHub-Event": event, "X-GitHub-Delivery": delivery,
-               "X-Hub-Signature-256": f"sha256={digest}"}  # fmt: skip
+    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery, content_type=None)
     if event == "unsigned":
         headers["X-Hub-Signature-256"] = "sha256=00"
     httpx.post(base_url + "/hooks/git", content=body, headers=headers, timeout=10)

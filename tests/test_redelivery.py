@@ -10,8 +10,6 @@ real Redis; tests at the end run a real `realm listen` on the shipped triggers.y
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import itertools
 import json
 import os
@@ -28,6 +26,7 @@ from gateway.store import RunStore
 from gateway.triggers import parse_triggers
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import github_headers
 
 WF = "single"  # one step, `only`: completing it ends the run
 KEY = "the-singleton"
@@ -265,16 +264,6 @@ def test_shipped_singletons_deduplicate_a_redelivered_event(shipped: Listener, d
     assert db.zcard(f"realm:{{{workflow}}}:runs") == 2
 
 
-def github_push(secret: str, delivery: str, body: bytes) -> dict[str, str]:
-    signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-    return {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": delivery,
-        "X-Hub-Signature-256": f"sha256={signature}",
-    }
-
-
 def test_a_captured_github_body_sent_with_a_new_delivery_id_starts_nothing(
     shipped: Listener, db
 ) -> None:
@@ -287,11 +276,17 @@ def test_a_captured_github_body_sent_with_a_new_delivery_id_starts_nothing(
     ).encode()
     secret = SECRETS["GITHUB_WEBHOOK_SECRET"]
     with httpx.Client(base_url=shipped.base_url, timeout=10) as client:
-        first = client.post("/hooks/github", content=body, headers=github_push(secret, "d-1", body))
+        first = client.post(
+            "/hooks/github", content=body, headers=github_headers(body, secret, delivery="d-1")
+        )
         assert first.status_code == 202, first.text
         run_id = first.json()["results"][0]["run_id"]
         replays = [
-            client.post("/hooks/github", content=body, headers=github_push(secret, f"d-{n}", body))
+            client.post(
+                "/hooks/github",
+                content=body,
+                headers=github_headers(body, secret, delivery=f"d-{n}"),
+            )
             for n in range(2, 6)
         ]
     for replay in replays:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import itertools
 import json
 import os
@@ -34,6 +33,7 @@ import redis as redis_sync
 
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import github_headers
 
 GH_SECRET = "gh-reload-7c1e9a0b3d5f"
 ENV = {"GH_SECRET": GH_SECRET}
@@ -87,17 +87,7 @@ def write(path: Path, text: str) -> None:
 
 def deliver(http: httpx.Client, path: str) -> httpx.Response:
     body = json.dumps({"ref": "refs/heads/main", "nonce": uuid.uuid4().hex}).encode()
-    return http.post(path, content=body, headers=github_headers(body))
-
-
-def github_headers(body: bytes) -> dict[str, str]:
-    digest = hmac.new(GH_SECRET.encode(), body, hashlib.sha256).hexdigest()
-    return {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": str(uuid.uuid4()),
-        "X-Hub-Signature-256": f"sha256={digest}",
-    }
+    return http.post(path, content=body, headers=github_headers(body, GH_SECRET))
 
 
 def triggers_of(reply: httpx.Response) -> set[str]:
@@ -338,7 +328,9 @@ def test_reloads_under_load_drop_nothing_and_never_mix_versions(
             while not done.is_set():
                 body = json.dumps({"nonce": uuid.uuid4().hex}).encode()
                 try:
-                    reply = await http.post("/hooks/x", content=body, headers=github_headers(body))
+                    reply = await http.post(
+                        "/hooks/x", content=body, headers=github_headers(body, GH_SECRET)
+                    )
                 except httpx.HTTPError as exc:
                     errors.append(type(exc).__name__)
                     continue

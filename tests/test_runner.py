@@ -260,7 +260,8 @@ async def test_the_runner_rides_out_redis_going_away_and_coming_back(
         await asyncio.to_thread(server.start)  # same port, same append-only file
         second = (await store.start_run("once", {})).run_id
         await until(lambda: _true(done == [first, second]), 15)
-        assert (await store.get_run(second)).phase == "completed"
+        # The handler has returned; the runner's completion of the step follows it.
+        await until(lambda: _phase_is(store, second, "completed"))
     finally:
         runner.stop()
         await asyncio.wait_for(task, 10)
@@ -269,6 +270,10 @@ async def test_the_runner_rides_out_redis_going_away_and_coming_back(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _phase_is(store: RunStore, run_id: str, phase: str) -> bool:
+    return (await store.get_run(run_id)).phase == phase
 
 
 # --------------------------------------------------------------------------- command

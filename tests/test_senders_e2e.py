@@ -2,9 +2,10 @@
 per new scheme (`slack`, `shopify`, `gitlab`, `hmac` with a timestamp) and a `standard`
 trigger fed Svix's header names, real HTTP, a real redis-server.
 
-Deliveries are signed with gateway.verify.sign, as `realm triggers test --sign` signs
-them; each must start exactly one run (202), and each forged one must be answered 401
-with the exact reason, writing nothing.
+Deliveries are signed as each sender documents it, by tests/signing.py (not by
+gateway.verify.sign, the signer of the code under test); each must start exactly one
+run (202), and each forged one must be answered 401 with the exact reason, writing
+nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 from urllib.parse import urlencode
 
 import httpx
@@ -21,9 +21,9 @@ import pytest
 import redis as redis_sync
 
 from gateway.keys import Keys
-from gateway.verify import VerifySpec, parse_verify, sign
 from tests.listener import Listener
 from tests.servers import RedisServer
+from tests.signing import hmac_hex, shopify_headers, slack_headers, standard_headers
 
 SLACK_SECRET = "slack-e2e-8f742231b10e8888abcd"
 SHOPIFY_SECRET = "shpss_e2e_4c1d9a7b2e6f0385"
@@ -91,25 +91,19 @@ triggers:
 """
 
 
-def _spec(raw: dict[str, Any]) -> VerifySpec:
-    return parse_verify(raw, file="t", trigger="t", env=ENV)
-
-
-SLACK = _spec({"scheme": "slack", "secret_env": "SLACK_SIGNING_SECRET"})
-SHOPIFY = _spec({"scheme": "shopify", "secret_env": "SHOPIFY_CLIENT_SECRET"})
-GITLAB = _spec({"scheme": "gitlab", "secret_env": "GITLAB_WEBHOOK_TOKEN"})
-ACME = _spec(
-    {
-        "scheme": "hmac",
-        "secret_env": "ACME_WEBHOOK_SECRET",
-        "header": "X-Acme-Signature",
-        "prefix": "v1=",
-        "timestamp_header": "X-Acme-Timestamp",
-    }
-)
-SVIX = _spec({"scheme": "standard", "secret_env": "SVIX_WEBHOOK_SECRET"})
-
 Request = tuple[str, bytes, dict[str, str]]
+Signer = Callable[[bytes, float], dict[str, str]]  # (body, now) -> signature headers
+
+
+def slack_signed(body: bytes, now: float) -> dict[str, str]:
+    return slack_headers(body, SLACK_SECRET, timestamp=now, content_type=None)
+
+
+def acme_signed(body: bytes, now: float) -> dict[str, str]:
+    """As the acme-event trigger is configured: hex HMAC-SHA256 of `{timestamp}.{body}`."""
+    t = str(int(now))
+    signature = hmac_hex(ACME_SECRET, f"{t}.".encode() + body)
+    return {"X-Acme-Signature": f"v1={signature}", "X-Acme-Timestamp": t}
 
 
 def slack_command() -> Request:
@@ -129,11 +123,9 @@ def slack_command() -> Request:
             "trigger_id": f"398738663015.47445629121.{uuid.uuid4().hex}",
         }
     ).encode()
-    headers = {
-        "Content-Type": "application/x-www-form-urlencoded",
-        "User-Agent": "Slackbot 1.0 (+https://api.slack.com/robots)",
-        **sign(SLACK, body, time.time()),
-    }
+    headers = slack_headers(
+        body, SLACK_SECRET, **{"User-Agent": "Slackbot 1.0 (+https://api.slack.com/robots)"}
+    )
     return "/hooks/slack", body, headers
 
 
@@ -147,14 +139,16 @@ def shopify_order() -> Request:
         "line_items": [{"id": 866550311766439020, "quantity": 1, "price": "49.00"}],
     }
     body = json.dumps(order, separators=(",", ":")).encode()
-    headers = {
-        "Content-Type": "application/json",
-        "X-Shopify-Topic": "orders/create",
-        "X-Shopify-Shop-Domain": "example.myshopify.com",
-        "X-Shopify-API-Version": "2026-01",
-        "X-Shopify-Webhook-Id": str(uuid.uuid4()),
-        **sign(SHOPIFY, body, time.time()),
-    }
+    headers = shopify_headers(
+        body,
+        SHOPIFY_SECRET,
+        **{
+            "X-Shopify-Topic": "orders/create",
+            "X-Shopify-Shop-Domain": "example.myshopify.com",
+            "X-Shopify-API-Version": "2026-01",
+            "X-Shopify-Webhook-Id": str(uuid.uuid4()),
+        },
+    )
     return "/hooks/shopify", body, headers
 
 
@@ -167,21 +161,22 @@ def gitlab_push() -> Request:
         "Content-Type": "application/json",
         "X-Gitlab-Event": "Push Hook",
         "Idempotency-Key": str(uuid.uuid4()),
-        **sign(GITLAB, body, time.time()),
+        "X-Gitlab-Token": GITLAB_TOKEN,  # GitLab sends the token itself
     }
     return "/hooks/gitlab", body, headers
 
 
 def acme_event() -> Request:
     body = json.dumps({"id": f"evt_{uuid.uuid4().hex[:16]}", "type": "account.synced"}).encode()
-    headers = {"Content-Type": "application/json", **sign(ACME, body, time.time())}
+    headers = {"Content-Type": "application/json", **acme_signed(body, time.time())}
     return "/hooks/acme", body, headers
 
 
 def svix_event() -> Request:
     """Standard Webhooks under Svix's header names, as Svix sends them."""
     body = json.dumps({"type": "email.sent", "data": {"id": uuid.uuid4().hex}}).encode()
-    signed = sign(SVIX, body, time.time(), event_id=f"msg_{uuid.uuid4().hex[:24]}")
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    signed = standard_headers(body, SVIX_SECRET, msg_id=msg_id, content_type=None)
     headers = {name.replace("webhook-", "svix-"): value for name, value in signed.items()}
     assert set(headers) == {"svix-id", "svix-timestamp", "svix-signature"}
     return "/hooks/svix", body, {"Content-Type": "application/json", **headers}
@@ -269,7 +264,7 @@ def test_a_slack_request_signed_again_is_one_run(http: httpx.Client, db: redis_s
     first = http.post(path, content=body, headers=headers)
     assert first.status_code == 202, first.text
     # Signed again a minute later (a new timestamp and signature), the same trigger_id.
-    later = {**headers, **sign(SLACK, body, time.time() + 60)}
+    later = {**headers, **slack_signed(body, time.time() + 60)}
     assert later["X-Slack-Signature"] != headers["X-Slack-Signature"]
     again = http.post(path, content=body, headers=later)
     assert again.status_code == 200, again.text
@@ -313,9 +308,9 @@ def changed(request: Request, headers: dict[str, str | None]) -> Request:
     return path, body, {name: value for name, value in merged.items() if value is not None}
 
 
-def signed_at(request: Request, spec: VerifySpec, now: float) -> Request:
+def signed_at(request: Request, signed: Signer, now: float) -> Request:
     path, body, sent = request
-    return path, body, {**sent, **sign(spec, body, now)}
+    return path, body, {**sent, **signed(body, now)}
 
 
 @pytest.mark.parametrize(
@@ -336,12 +331,12 @@ def signed_at(request: Request, spec: VerifySpec, now: float) -> Request:
             id="slack-unsigned",
         ),
         pytest.param(
-            lambda: signed_at(slack_command(), SLACK, time.time() - 301),
+            lambda: signed_at(slack_command(), slack_signed, time.time() - 301),
             "timestamp outside tolerance (300 s)",
             id="slack-stale",
         ),
         pytest.param(
-            lambda: signed_at(acme_event(), ACME, time.time() + 600),
+            lambda: signed_at(acme_event(), acme_signed, time.time() + 600),
             "timestamp outside tolerance (300 s)",
             id="acme-future",
         ),
