@@ -142,8 +142,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="realm-cluster-bench-") as tmp:
         work = Path(tmp)
         reqs = write_requests(
-            work / "unique.tsv", args.events, secret_text.encode(), redeliver=False, seed=1
-        )
+            work / "unique.tsv", args.events, secret_text.encode(), redeliver=False, seed=1,
+            threads=args.threads,
+        )  # fmt: skip
         config = work / "triggers.yaml"
         config.write_text(TRIGGERS_YAML.format(partitions=args.partitions))
         single = RedisServer(work / "single").start()

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import os
 import random
@@ -47,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.listen_bench import PATH, TRIGGERS_YAML, App, gateway_app, push_payload  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
+from tests.signing import github_signature  # noqa: E402
 
 PYTHON = sys.executable
 WORKFLOW = "deploy"
@@ -206,10 +205,10 @@ async def send_at_rate(port: int, secret: bytes, rate: int, seconds: float):
     requests = []
     for i in range(int(rate * seconds)):
         body = json.dumps(push_payload(rng, i), separators=(",", ":")).encode()
-        sig = hmac.new(secret, body, hashlib.sha256).hexdigest()
         head = (f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 "Content-Type: application/json\r\nX-GitHub-Event: push\r\n"
-                f"X-GitHub-Delivery: {uuid.uuid4()}\r\nX-Hub-Signature-256: sha256={sig}\r\n"
+                f"X-GitHub-Delivery: {uuid.uuid4()}\r\n"
+                f"X-Hub-Signature-256: {github_signature(secret, body)}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
         requests.append(head.encode() + body)
     got: list[tuple[float, str]] = []

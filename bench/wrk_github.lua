@@ -2,11 +2,12 @@
 --
 --   wrk -t2 -c64 -d10s --latency -s bench/wrk_github.lua URL -- REQUESTS_FILE THREADS
 --
--- REQUESTS_FILE has one delivery per line: "<delivery id>\t<sha256 hex>\t<json body>"
--- (written by bench/listen_bench.py; wrk cannot compute an HMAC). The file is cut
--- into THREADS contiguous chunks, thread i sends chunk i in order and wraps around
--- at its end. The requests are formatted once, in init, so the per-request Lua cost
--- is a table lookup. done() prints one line, "BENCH_SENT <n1> <n2> ...": how many
+-- REQUESTS_FILE.<i> (i = 0 .. THREADS-1) holds thread i's deliveries, one a line:
+-- "<delivery id>\t<sha256 hex>\t<json body>" (written by bench/listen_bench.py; wrk
+-- cannot compute an HMAC). Thread i sends its file's lines in order and wraps around
+-- at the end; each thread reads only its own file, so a run of big bodies starts
+-- quickly. The requests are formatted once, in init, so the per-request Lua cost is
+-- a table lookup. done() prints one line, "BENCH_SENT <n1> <n2> ...": how many
 -- requests each thread generated, from which the caller computes how many distinct
 -- delivery ids were sent (and so how many runs should exist).
 
@@ -20,16 +21,10 @@ function setup(thread)
 end
 
 function init(args)
-  local path, nthreads = args[1], tonumber(args[2])
-  local lines = {}
-  for line in io.lines(path) do
-    lines[#lines + 1] = line
-  end
-  local chunk = math.floor(#lines / nthreads)
-  local first = thread_index * chunk + 1
+  local path = args[1] .. "." .. thread_index
   requests = {}
-  for i = first, first + chunk - 1 do
-    local id, sig, body = lines[i]:match("^([^\t]+)\t([^\t]+)\t(.*)$")
+  for line in io.lines(path) do
+    local id, sig, body = line:match("^([^\t]+)\t([^\t]+)\t(.*)$")
     requests[#requests + 1] = wrk.format("POST", "/hooks/github", {
       ["Content-Type"] = "application/json",
       ["User-Agent"] = "GitHub-Hookshot/bench",
@@ -38,7 +33,6 @@ function init(args)
       ["X-Hub-Signature-256"] = "sha256=" .. sig,
     }, body)
   end
-  lines = nil
   collectgarbage()
   sent = 0
 end

@@ -51,6 +51,7 @@ MAX_LIMIT = 1000
 # Ids one list call examines under a filter: a bounded step, never the whole log.
 EXAMINE = 1000
 FLUSH_SECONDS = 0.1
+WRITE_CHUNK = 32  # records per script call (~100 KB of 3 KB deliveries)
 TRIM_SECONDS = 1.0  # an idle worker's trim of the log, without records to write
 # Records one worker buffers while Redis does not take them; older ones are dropped.
 MAX_BUFFERED = 10_000
@@ -143,8 +144,8 @@ class Received:
     delivery_id: str | None = None
 
 
-def build_record(item: Received, settings: Settings) -> tuple[str, list[str]]:
-    """The record of one delivery: its id and the script's 7 values for it."""
+def build_record(item: Received, settings: Settings) -> tuple[str, list[str | bytes]]:
+    """The record of one delivery: its id and the script's 8 values for it."""
     reply = item.reply
     delivery_id = item.delivery_id or new_delivery_id(item.received_ms)
     verified = reply.verified
@@ -187,6 +188,10 @@ def build_record(item: Received, settings: Settings) -> tuple[str, list[str]]:
         "body_size": None,
         "body_truncated": False,
     }
+    # The body is kept as its own field, as raw bytes: inside the JSON it would be
+    # escaped (and base64'd when binary) on every delivery, where it is read rarely.
+    # get_delivery puts it back into the record.
+    kept = b""
     if verified:
         doc["headers"] = kept_headers(item.headers, item.triggers)
         body = item.body or b""
@@ -194,10 +199,7 @@ def build_record(item: Received, settings: Settings) -> tuple[str, list[str]]:
         if settings.store_bodies:
             kept = body[: settings.max_stored_body_bytes]
             doc["body_truncated"] = len(kept) < len(body)
-            try:
-                doc["body"], doc["body_encoding"] = kept.decode(), "utf-8"
-            except UnicodeDecodeError:
-                doc["body"], doc["body_encoding"] = base64.b64encode(kept).decode(), "base64"
+            doc["body_encoding"] = "stored"
     outcomes = "," + ",".join(t["outcome"] for t in triggers) + ","
     summary = {
         "delivery_id": delivery_id,
@@ -217,8 +219,9 @@ def build_record(item: Received, settings: Settings) -> tuple[str, list[str]]:
         item.path,
         str(reply.status),
         outcomes,
-        orjson.dumps(summary).decode(),
-        orjson.dumps(doc).decode(),
+        orjson.dumps(summary),
+        orjson.dumps(doc),
+        kept,
     ]
     return delivery_id, values
 
@@ -284,10 +287,21 @@ class DeliveryRecorder:
 async def write_records(
     store: RunStore, settings: Settings, items: Sequence[Received]
 ) -> list[str]:
-    """Write ``items`` to the log now, in one call; their ids, in order."""
+    """Write ``items`` to the log now; their ids, in order. At most ``WRITE_CHUNK``
+    records go in one script call: a script holds Redis while it runs, and the claims
+    waiting behind one large call would see its whole length as latency."""
+    if len(items) <= WRITE_CHUNK:
+        return await _write_chunk(store, settings, items)
+    ids: list[str] = []
+    for start in range(0, len(items), WRITE_CHUNK):
+        ids += await _write_chunk(store, settings, items[start : start + WRITE_CHUNK])
+    return ids
+
+
+async def _write_chunk(store: RunStore, settings: Settings, items: Sequence[Received]) -> list[str]:
     keys = LogKeys(store.prefix)
     ids: list[str] = []
-    args: list[str | int] = [
+    args: list[str | int | bytes] = [
         keys.base,
         settings.delivery_retention_ms,
         settings.max_deliveries,
@@ -382,14 +396,25 @@ async def get_delivery(store: RunStore, delivery_id: str) -> dict[str, Any]:
     check_delivery_id(delivery_id)
     name = LogKeys(store.prefix).record(delivery_id)
     async with store.deadline():
-        raw = await store.call(lambda: store.redis.hget(name, "doc"))
+        raw, body = await store.call(lambda: store.redis.hmget(name, ["doc", "b"]))
     if raw is None:
         raise RealmError(
             "NOT_FOUND_DELIVERY",
             f"delivery {delivery_id} is not in the delivery log (it keeps "
             "settings.delivery_retention and at most settings.max_deliveries)",
         )
-    return orjson.loads(raw)
+    return with_body(orjson.loads(raw), body)
+
+
+def with_body(record: dict[str, Any], body: bytes | None) -> dict[str, Any]:
+    """The record with its body as text: UTF-8 as it is, anything else in base64."""
+    if record.get("body_encoding") == "stored":
+        data = body or b""
+        try:
+            record["body"], record["body_encoding"] = data.decode(), "utf-8"
+        except UnicodeDecodeError:
+            record["body"], record["body_encoding"] = base64.b64encode(data).decode(), "base64"
+    return record
 
 
 def _str(value: bytes | str) -> str:
@@ -472,6 +497,7 @@ async def replay(
     )  # fmt: skip
     if not settings.delivery_log:
         # Still answer with what a record would hold; nothing is written.
-        return orjson.loads(build_record(item, settings)[1][6])
+        values = build_record(item, settings)[1]
+        return with_body(orjson.loads(values[6]), values[7])  # type: ignore[arg-type]
     (new_id,) = await write_records(store, settings, [item])
     return await get_delivery(store, new_id)

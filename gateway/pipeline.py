@@ -3,11 +3,14 @@
 Under load many deliveries reach their claim at once. Through redis-py each
 claim pays a pool checkout, a write, a read per reply and a parse, all in
 Python: measured, that was most of a delivery's CPU. Here the claims share
-one connection: the ``EVALSHA`` commands made in one turn of the event loop
-go out in one write, and each chunk the socket delivers is fed to hiredis,
-whose replies are handed to their callers in order, straight from
-``data_received``: no task, stream or timer per call. Each call still runs as
-its own atomic script, and its reply or error reaches its own caller.
+one connection: the ``EVALSHA`` commands made in one turn of the event loop go
+out in one write at the end of that turn, and while two writes' replies are
+still due, those of the turns meanwhile wait and go out together as the oldest
+is answered (at low load nothing is due, so nothing waits).
+Each chunk the socket delivers is fed to hiredis, whose replies are handed to
+their callers in order, straight from ``data_received``: no task, stream or
+timer per call. Each call still runs as its own atomic script, and its reply or
+error reaches its own caller.
 
 Errors are redis-py's exception classes (the store maps them to outcomes):
 a dropped connection fails every call on it with ``ConnectionError``, and a
@@ -62,6 +65,14 @@ log = logging.getLogger("realm")
 Resolver = Callable[[], Awaitable[Mapping[str, Any]]]
 
 _ASKING = hiredis.pack_command((b"ASKING",))
+
+# Writes on one connection whose replies are still due, at most: while there are
+# this many, what comes is held and goes out in one write as the oldest is answered
+# (see _Connection). Two, not one: Redis always has the next write queued while it
+# runs one, so it never waits for the gateway's loop to come round to its replies
+# (a loop turn under load is milliseconds); and while Redis is behind (a long
+# script, or no CPU for it), the claims of every turn meanwhile share one write.
+MAX_WRITES_IN_FLIGHT = 2
 
 
 class NotConnected(redis_errors.ConnectionError):
@@ -285,22 +296,20 @@ def _quiet(future: asyncio.Future[Any]) -> None:
 class _Fanout:
     """The waiting entry of a write's confirmation: its one reply goes to the future
     of each call of that write (each caller awaits its own, so one giving up
-    cancels nothing for the others), and lets the connection write again."""
+    cancels nothing for the others)."""
 
-    __slots__ = ("connection", "futures")
+    __slots__ = ("futures",)
 
-    def __init__(self, connection: _Connection) -> None:
+    def __init__(self) -> None:
         self.futures: list[asyncio.Future[Any]] = []
-        self.connection = connection
 
     def done(self) -> bool:
-        return False  # its reply must reach set_result even if every caller gave up
+        return all(f.done() for f in self.futures)
 
     def set_result(self, reply: Any) -> None:
         for f in self.futures:
             if not f.done():
                 f.set_result(reply)
-        self.connection._confirmed()
 
     def set_exception(self, error: BaseException) -> None:
         for f in self.futures:
@@ -309,7 +318,8 @@ class _Fanout:
 
 
 class _Connection(asyncio.Protocol):
-    """One socket: a write per event-loop turn, replies dispatched as they arrive."""
+    """One socket: a write per loop turn at most (fewer while Redis is behind),
+    replies dispatched as they arrive."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -323,25 +333,34 @@ class _Connection(asyncio.Protocol):
         # the loop time by which its reply is due.
         self._waiting: collections.deque[tuple[Any, float]] = collections.deque()
         self._out: list[bytes] = []
-        # This turn's confirmation (durability): its command and who waits for it.
+        # The next write's confirmation (durability): its command and who waits for it.
         self._confirm: tuple[bytes, _Fanout] | None = None
-        # A confirmation is on its way: what comes meanwhile is held, and written
-        # with one confirmation of its own once it is back (group commit). Sent at
-        # once, it would wait behind the blocked WAIT on the server anyway, and
-        # Redis 7.0 answers a WAIT queued behind another one only on its next cron
-        # tick (up to 100 ms each, measured).
-        self._confirming = False
+        # The writes on their way, oldest first: [replies still due, carries a
+        # confirmation]. While MAX_WRITES_IN_FLIGHT of them are, or one carrying a
+        # confirmation is, what comes is held, and written as one the moment the
+        # oldest is answered (in data_received). Sent at once, it would only queue on
+        # the server behind them; held, the commands of several loop turns share one
+        # write (each write on loopback TCP costs the sender the receiver's half of
+        # the stack too, and Redis a read). Otherwise a command goes out at the end
+        # of its loop turn, with the others of that turn: at low load, nothing waits.
+        # With durability the write's confirmation is its last reply: group commit,
+        # one WAIT per write, and never a WAIT queued behind another one (Redis 7.0
+        # answers that one only on its next cron tick, up to 100 ms, measured).
+        self._in_flight: collections.deque[list[int]] = collections.deque()
+        self._held = False  # as said above: MAX_WRITES_IN_FLIGHT or a confirmation
         self._watchdog: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
-        """Queue ``command`` for this turn's write; the future gets its reply."""
+        """Queue ``command`` for the next write; the future gets its reply."""
         future = self._loop.create_future()
         if self.closed:
             future.set_exception(redis_errors.ConnectionError("connection to Redis lost"))
             return future
         self._waiting.append((future, self._loop.time() + self.timeout))
-        if not self._out and not self._confirming:
+        if not self._held and not self._out and self._confirm is None:
+            # The first since the last write: it goes at the end of this turn (the
+            # next pass of the loop's ready queue), with whatever comes meanwhile.
             self._loop.call_soon(self._write)
         self._out.append(command)
         if self._watchdog is None:
@@ -364,31 +383,27 @@ class _Connection(asyncio.Protocol):
             confirmed.set_exception(redis_errors.ConnectionError("connection to Redis lost"))
             return confirmed
         if self._confirm is None:
-            self._confirm = (confirm, _Fanout(self))
-            if not self._out and not self._confirming:
+            if not self._held and not self._out:
                 self._loop.call_soon(self._write)
+            self._confirm = (confirm, _Fanout())
         self._confirm[1].futures.append(confirmed)
         return confirmed
 
     def _write(self) -> None:
-        if self._confirming or not (self._out or self._confirm):
+        if self._held or self.closed or not (self._out or self._confirm):
             return
         out, self._out = self._out, []
+        confirms = self._confirm is not None
         if self._confirm is not None:
             # Last in the write, so its reply comes after every reply of the write.
             command, fanout = self._confirm
             self._confirm = None
-            self._confirming = True
             out.append(command)
             self._waiting.append((fanout, self._loop.time() + self.timeout))
-        if self._transport is not None and not self.closed:
+        self._in_flight.append([len(out), confirms])
+        self._held = confirms or len(self._in_flight) >= MAX_WRITES_IN_FLIGHT
+        if self._transport is not None:
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
-
-    def _confirmed(self) -> None:
-        # The confirmation is back: what was held goes out now, as one write.
-        self._confirming = False
-        if self._out or self._confirm:
-            self._loop.call_soon(self._write)
 
     # -- asyncio.Protocol ------------------------------------------------------------
 
@@ -407,16 +422,25 @@ class _Connection(asyncio.Protocol):
                 self._fail(exc)
                 return
             if reply is False:
-                return
-            if not waiting:
+                break
+            in_flight = self._in_flight
+            if not in_flight:
                 self._fail(redis_errors.InvalidResponse("a reply that no command asked for"))
                 return
+            oldest = in_flight[0]
+            oldest[0] -= 1
+            if not oldest[0]:  # that write is answered
+                in_flight.popleft()
+                self._held = len(in_flight) >= MAX_WRITES_IN_FLIGHT or any(w[1] for w in in_flight)
             future, _ = waiting.popleft()
             if future.done():  # its caller gave up (a deadline passed)
                 continue
             # An error reply is handed over as the reply: the caller raises it, or
             # loads the script and goes again on NOSCRIPT.
             future.set_result(reply)
+        if not self._held and (self._out or self._confirm is not None):
+            # A write is answered: what was held goes out now, as one.
+            self._write()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(redis_errors.ConnectionError("connection to Redis lost"))
@@ -437,6 +461,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: Exception) -> None:
         """Give up on this connection: every call on it gets ``error``."""
         self.closed = True
+        self._in_flight.clear()
         if self._transport is not None:
             self._transport.abort()
         if self._watchdog is not None:

@@ -7,9 +7,12 @@ test_faults.py; these tests pin down the connection's own contract.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import redis as redis_sync
@@ -205,3 +208,103 @@ async def test_a_connect_closed_under_its_callers_is_a_connection_error(start_re
     finally:
         server.resume()
     assert all(isinstance(r, redis_errors.ConnectionError) for r in results), results
+
+
+# -- writes: what goes out together ------------------------------------------------------
+
+
+def _count_writes(pipeline: Pipeline) -> list[bytes]:
+    """Every write the pipeline's (open) connection makes from now on, as written."""
+    conn = pipeline._conn
+    assert conn is not None and conn._transport is not None
+    transport = conn._transport
+    written: list[bytes] = []
+    write = transport.write
+
+    def counting(data: bytes) -> None:
+        written.append(bytes(data))
+        write(data)
+
+    transport.write = counting  # type: ignore[method-assign]
+    return written
+
+
+async def test_the_calls_of_one_loop_turn_go_out_in_one_write(redis_server) -> None:
+    async with opened(redis_server.url) as (_, pipeline):
+        await pipeline.execute(b"PING")  # connected
+        written = _count_writes(pipeline)
+        replies = await asyncio.gather(*(pipeline.execute(b"ECHO", i) for i in range(100)))
+        assert replies == [str(i).encode() for i in range(100)]
+        assert len(written) == 1
+        assert written[0].count(b"ECHO") == 100
+
+
+async def test_a_lone_call_is_written_in_its_own_turn_not_later(redis_server) -> None:
+    """No timer between a call and its write: it goes out on the loop's next pass."""
+    async with opened(redis_server.url) as (_, pipeline):
+        await pipeline.execute(b"PING")
+        written = _count_writes(pipeline)
+        call = asyncio.ensure_future(pipeline.execute(b"ECHO", "alone"))
+        await asyncio.sleep(0)  # the call runs and queues its command
+        await asyncio.sleep(0)  # the loop's next pass: the write
+        assert written == [b"*2\r\n$4\r\nECHO\r\n$5\r\nalone\r\n"]
+        assert await call == b"alone"
+
+
+async def test_calls_made_while_redis_is_behind_go_out_together(start_redis) -> None:
+    """While two writes' replies are due, the calls of later turns are held and go out
+    in one write when the oldest is answered, each still getting its own reply."""
+    server = start_redis()
+    async with opened(server.url) as (_, pipeline):
+        await pipeline.execute(b"PING")
+        written = _count_writes(pipeline)
+        server.pause()  # no reply can come back until resumed
+        try:
+            first = [asyncio.ensure_future(pipeline.execute(b"ECHO", "first"))]
+            while len(written) < 1:  # its write (the loop's next pass)
+                await asyncio.sleep(0)
+            first.append(asyncio.ensure_future(pipeline.execute(b"ECHO", "second")))
+            while len(written) < 2:  # a second write: Redis has the next one queued
+                await asyncio.sleep(0)
+            later = []
+            for turn in range(10):  # ten turns, five calls each
+                later += [
+                    asyncio.ensure_future(pipeline.execute(b"ECHO", f"{turn}.{i}"))
+                    for i in range(5)
+                ]
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+            assert len(written) == 2  # all fifty held
+        finally:
+            server.resume()
+        assert await asyncio.gather(*first) == [b"first", b"second"]
+        replies = await asyncio.gather(*later)
+        assert replies == [f"{t}.{i}".encode() for t in range(10) for i in range(5)]
+        assert len(written) == 3
+        assert written[2].count(b"ECHO") == 50
+
+
+async def test_the_pipeline_speaks_a_unix_socket(start_redis, config: Config) -> None:
+    """unix:// URLs (Redis on the same host, as the embedded server): the listener's
+    claims go over the pipeline there too, with the URL's database."""
+    where = Path(tempfile.mkdtemp(prefix="realm-sock-"))  # a socket path must be short
+    sock = where / "redis.sock"
+    try:
+        start_redis("--unixsocket", str(sock), "--unixsocketperm", "700")
+        url = f"unix://{sock}?db=2"
+        async with opened(url) as (client, pipeline):
+            assert await pipeline.execute(b"SET", "where", "db2") == b"OK"
+            assert await client.get("where") == b"db2"
+        client = redis_client(url, 5.0)
+        store = RunStore(client, config, timeout=5.0, pipelined=True)
+        try:
+            assert isinstance(store._pipeline, Pipeline)
+            started = await store.start_run("sync", {}, "k")
+            assert store._pipeline._conn is not None  # the claim went over the pipeline
+            again = await store.start_run("sync", {}, "k")
+            assert (again.deduped, again.run_id) == (True, started.run_id)
+        finally:
+            store.close()
+            await client.aclose()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

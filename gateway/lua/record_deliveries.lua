@@ -11,10 +11,11 @@ ARGV[2]  retention in ms (each record expires then)
 ARGV[3]  count cap of KEYS[1]
 ARGV[4]  count cap of KEYS[2]
 ARGV[5]  the oldest id still kept: ids below it are past retention
-ARGV[6..] per delivery, 7 values: id, 'v' (verified) or 'r' (refused), path, status,
-         outcomes (',started,ignored,': every trigger's), summary JSON, record JSON
+ARGV[6..] per delivery, 8 values: id, 'v' (verified) or 'r' (refused), path, status,
+         outcomes (',started,ignored,': every trigger's), summary JSON, record JSON,
+         the stored body (raw bytes; '' when none)
 
-Record hash fields: p path, s status, o outcomes, sum summary, doc record.
+Record hash fields: p path, s status, o outcomes, sum summary, doc record, b body.
 
 Reply: how many old deliveries were trimmed.
 
@@ -34,16 +35,16 @@ local cutoff = ARGV[5]
 local added = {0, 0}
 
 local i = 6
-while i + 6 <= #ARGV do
+while i + 7 <= #ARGV do
   local id, kind = ARGV[i], ARGV[i + 1]
   local record = base .. id
   redis.call('HSET', record, 'p', ARGV[i + 2], 's', ARGV[i + 3], 'o', ARGV[i + 4],
-             'sum', ARGV[i + 5], 'doc', ARGV[i + 6])
+             'sum', ARGV[i + 5], 'doc', ARGV[i + 6], 'b', ARGV[i + 7])
   redis.call('PEXPIRE', record, retention)
   local which = (kind == 'r') and 2 or 1
   redis.call('ZADD', KEYS[which], 0, id)
   added[which] = added[which] + 1
-  i = i + 7
+  i = i + 8
 end
 
 local function drop(index, ids)
