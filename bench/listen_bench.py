@@ -104,7 +104,7 @@ triggers:
       repo: $.repository.full_name
       sha: $.after
 """
-# gateway-nolog: the same, with the delivery log (gateway/deliveries.py) off.
+# gateway-nolog: the same, with the delivery log (gateway/deliveries/log.py) off.
 NOLOG_YAML = TRIGGERS_YAML + "settings:\n  delivery_log: false\n"
 
 UVICORN = ["--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
@@ -121,6 +121,7 @@ BODIES: dict[str, dict[str, object]] = {
     # A big push: GitHub's 20 commits, each with a long message and many files.
     "25k": {"commits": 20, "files": 8, "lines": 5},
 }
+# File names in the payloads: made-up, fixed, so every revision's bodies are the same bytes.
 _PATHS = ["gateway/delivery.py", "tests/test_delivery.py", "gateway/pipeline.py",
           "docs/scaling.md", "bench/listen_bench.py", "gateway/store.py", "README.md",
           "gateway/lua/start_run.lua"]  # fmt: skip
@@ -506,7 +507,7 @@ def redis_benchmark(r: redis.Redis, port: int) -> list[tuple[str, float, float]]
     if not shutil.which("redis-benchmark"):
         return []
     from bench.reference_apps import CLAIM_LUA
-    from gateway.scripts import script_source
+    from gateway.store.scripts import script_source
 
     minimal = r.script_load(CLAIM_LUA)
     start_run = r.script_load(script_source("start_run"))

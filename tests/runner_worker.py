@@ -33,18 +33,21 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.config import load_config  # noqa: E402
-from gateway.connection import redis_client  # noqa: E402
-from gateway.errors import RealmError, StoreUnavailable  # noqa: E402
-from gateway.store import RunStore  # noqa: E402
+from gateway.link.connection import redis_client  # noqa: E402
+from gateway.loading import load_config  # noqa: E402
+from gateway.model.errors import RealmError, StoreUnavailable  # noqa: E402
+from gateway.store.runstore import RunStore  # noqa: E402
 
 IDLE_POLL_S = 0.02  # take_steps does not block: the pause between two empty takes
+Handler = Callable[[Any], Awaitable[dict]]  # a taken step -> its output
 
 
 class Log:
@@ -75,14 +78,12 @@ async def complete(store: RunStore, taken, output: dict, deadline: float) -> tup
             return "discarded", exc.code
 
 
-async def work(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    config = load_config(Path(args.config), with_triggers=False)
-    store = RunStore(redis_client(args.redis_url, 2.0), config, timeout=2.0)
-    log = Log(Path(args.log))
-    deadline = time.monotonic() + args.max_seconds
+def step_effect(args: argparse.Namespace, log: Log) -> Handler:
+    """The handler both ways of running share: a ``begin`` line, the wait for --release
+    if the step is --hold's, an ``effect`` line; its output names the step and attempt."""
     release = Path(args.release) if args.release else None
 
-    async def handler(taken) -> None:
+    async def effect(taken: Any) -> dict:
         log.line("begin", taken.run_id, taken.step, taken.attempt,
                  taken.lease_until_ms - args.lease_ms, f"{time.time():.6f}")  # fmt: skip
         if taken.step == args.hold:
@@ -90,9 +91,20 @@ async def work(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 await asyncio.sleep(0.01)
         prev = taken.output.get("step", "?") if isinstance(taken.output, dict) else "-"
         log.line("effect", taken.run_id, taken.step, taken.attempt, prev)
-        output = {"step": taken.step, "attempt": taken.attempt}
-        outcome, detail = await complete(store, taken, output, deadline)
-        log.line(outcome, taken.run_id, taken.step, taken.attempt, detail)
+        return {"step": taken.step, "attempt": taken.attempt}
+
+    return effect
+
+
+async def work(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    config = load_config(Path(args.config), with_triggers=False)
+    store = RunStore(redis_client(args.redis_url, 2.0), config, timeout=2.0)
+    log = Log(Path(args.log))
+    effect = step_effect(args, log)
+    if args.runner:
+        await with_runner(args, store, stop, log, effect)
+        return
+    deadline = time.monotonic() + args.max_seconds
 
     async def loop() -> None:
         while not stop.is_set() and time.monotonic() < deadline:
@@ -106,38 +118,27 @@ async def work(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
             for taken in steps:
-                await handler(taken)
+                output = await effect(taken)
+                outcome, detail = await complete(store, taken, output, deadline)
+                log.line(outcome, taken.run_id, taken.step, taken.attempt, detail)
 
-    if args.runner:
-        await with_runner(args, store, stop, log, release)
-    else:
-        await asyncio.gather(*(loop() for _ in range(args.concurrency)))
+    await asyncio.gather(*(loop() for _ in range(args.concurrency)))
 
 
 async def with_runner(
-    args: argparse.Namespace, store: RunStore, stop: asyncio.Event, log: Log, release: Path | None
+    args: argparse.Namespace, store: RunStore, stop: asyncio.Event, log: Log, effect: Handler
 ) -> None:
-    """The same handler under the product's in-process Runner (gateway/runner.py): it
+    """The same handler under the product's in-process Runner (gateway/runners/runner.py): it
     takes, extends the lease while the handler runs, and records the result; the
     outcome lines come from its on_outcome (``done ... ok``, ``discarded ... <code>``)."""
-    from gateway.runner import Runner, StepOutcome
-
-    async def handler(taken) -> dict:
-        log.line("begin", taken.run_id, taken.step, taken.attempt,
-                 taken.lease_until_ms - args.lease_ms, f"{time.time():.6f}")  # fmt: skip
-        if taken.step == args.hold:
-            while release is None or not release.exists():
-                await asyncio.sleep(0.01)
-        prev = taken.output.get("step", "?") if isinstance(taken.output, dict) else "-"
-        log.line("effect", taken.run_id, taken.step, taken.attempt, prev)
-        return {"step": taken.step, "attempt": taken.attempt}
+    from gateway.runners.runner import Runner, StepOutcome
 
     def outcome(o: StepOutcome) -> None:
         kind = {"ok": "done", "discarded": "discarded"}.get(o.result, o.result)
         log.line(kind, o.run_id, o.step, o.attempt, o.error or o.result)
 
     steps = store.config.workflow(args.workflow).steps
-    runner = Runner(store, args.workflow, dict.fromkeys(steps, handler),
+    runner = Runner(store, args.workflow, dict.fromkeys(steps, effect),
                     concurrency=args.concurrency, runner_id=args.name,
                     lease=args.lease_ms / 1000, on_outcome=outcome)  # fmt: skip
     task = asyncio.create_task(runner.run())
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--hold", default="")
     parser.add_argument("--release", default="")
     parser.add_argument("--max-seconds", type=float, default=120.0)
-    parser.add_argument("--runner", action="store_true", help="use gateway.runner.Runner")
+    parser.add_argument("--runner", action="store_true", help="use gateway.runners.runner.Runner")
     args = parser.parse_args()
 
     async def run() -> None:

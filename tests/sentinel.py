@@ -1,6 +1,6 @@
 """A private Sentinel deployment for tests: one primary, its replicas, 3 sentinels.
 
-Every process is a real redis-server / valkey-server (found as DESIGN §8 says,
+Every process is a real redis-server / valkey-server (found as the gateway finds it,
 so the pip-shipped Valkey does) on a free loopback port, started by the test
 session and killed with it. Settings are small so that a failover takes about
 1-3 s: a primary is subjectively down after ``DOWN_AFTER_MS`` without a reply,
@@ -52,7 +52,7 @@ class SentinelDeployment:
     # -- addresses ---------------------------------------------------------------------
 
     def url(self, *, db: int = 0, sentinel_auth: bool = True) -> str:
-        """The gateway's URL for this deployment (DESIGN §8, README "Which Redis")."""
+        """The gateway's URL for this deployment (docs/redis.md)."""
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
         query = f"?sentinel_password={SENTINEL_PASSWORD}" if sentinel_auth else ""
         return f"redis+sentinel://:{PASSWORD}@{hosts}/{SERVICE}/{db}{query}"

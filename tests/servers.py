@@ -1,6 +1,6 @@
 """Private redis-server / valkey-server processes for tests, on free loopback ports.
 
-The binary is found as DESIGN §8 says (gateway.embedded.find_server_binary),
+The binary is found as the gateway finds it (gateway.link.embedded.find_server_binary),
 so the suite runs with the pip-shipped Valkey when no server is on PATH. No
 test touches a server it did not start here.
 """
@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gateway.embedded import find_server_binary
+from gateway.link.embedded import find_server_binary
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,7 @@
 """Signed webhook deliveries as their senders build them, for the tests and benchmarks.
 
 Each builder follows the sender's own documentation and uses the standard library
-only. It never calls ``gateway.verify.sign``: a test of the verifier must not sign
+only. It never calls ``gateway.signatures.sign.sign``: a test of the verifier must not sign
 with the code under test (tests/test_verify.py checks that signer on its own). The
 module imports nothing from ``gateway`` so that the benchmarks can import it too.
 tests/test_signing.py checks it against the senders' published vectors.

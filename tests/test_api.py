@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.api import API_ROUTES
+from gateway.faces.api import API_ROUTES
 from tests.conftest import WORKFLOWS_YAML
 from tests.listener import Listener
 from tests.servers import RedisServer
@@ -158,15 +158,15 @@ def test_without_a_configured_token_the_api_answers_403(server: RedisServer, tmp
 
 
 def test_openapi_describes_every_route_the_app_serves(listener: Listener):
-    from gateway.app import create_app
-    from gateway.config import parse_config
+    from gateway.loading import parse_config
+    from gateway.serving.app import create_app
 
     document = httpx.get(listener.base_url + "/openapi.json", timeout=10).json()
     app = create_app(parse_config(CONFIG, env={"HOOK_TOKEN": "x"}), "redis://unused")
     served = {
         (route.path, method.lower())
         for route in app.app.routes
-        if route.include_in_schema  # /ui: HTML pages, not API (gateway/ui/routes.py)
+        if route.include_in_schema  # /ui: HTML pages, not API (gateway/faces/ui/routes.py)
         for method in (route.methods or ()) - {"HEAD"}
     }
     described = {(path, method) for path, ops in document["paths"].items() for method in ops}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from gateway.errors import RealmError
-from gateway.keys import Keys
-from gateway.store import RunStore
+from gateway.model.errors import RealmError
+from gateway.store.keys import Keys
+from gateway.store.runstore import RunStore
 
 KEYS = Keys("realm", "sync")
 

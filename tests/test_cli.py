@@ -299,9 +299,9 @@ def test_a_retried_start_with_its_request_id_starts_one_run(cli):
 
 async def _start_runs(url: str, workflows: list[str]) -> list[str]:
     """Start one keyless run per entry, in order (in process: quicker than the CLI)."""
-    from gateway.config import parse_config
-    from gateway.connection import redis_client
-    from gateway.store import RunStore
+    from gateway.link.connection import redis_client
+    from gateway.loading import parse_config
+    from gateway.store.runstore import RunStore
 
     client = redis_client(url, 5.0)
     store = RunStore(client, parse_config(WORKFLOWS_YAML, with_triggers=False))

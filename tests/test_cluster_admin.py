@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,19 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_sync
-from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from gateway.config import Config, parse_config
-from gateway.connection import BadRedisUrl, check_redis_url, redact_url, redis_client
-from gateway.errors import StoreUnavailable
-from gateway.reconcile import count_runs, reconcile
-from gateway.store import RunStore
-from gateway.sweep import sweep
+from gateway.link.connection import BadRedisUrl, check_redis_url, redact_url, redis_client
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.model.errors import StoreUnavailable
+from gateway.store.reconcile import count_runs, reconcile
+from gateway.store.runstore import RunStore
+from gateway.store.sweep import sweep
 from tests.cluster import Cluster, ClusterNode, key_slot
 from tests.conftest import WORKFLOWS_YAML
 from tests.listener import Listener
+from tests.mcp_client import mcp_session
 from tests.test_cli import UUID, realm
-from tests.test_mcp import ROOT, Tools
 
 # sync's tag is served by the third primary, orders' by the first, ingest's by the
 # second (slots 11216, 4717 and 6549 of the 3 equal ranges the cluster starts with).
@@ -182,7 +181,7 @@ async def test_reconcile_walks_every_partition_on_every_primary(
 async def test_reconcile_reads_each_partitions_key_index_on_its_primary_and_scans_nothing(
     cluster: Cluster, cluster_store: RunStore, cluster_db: redis_sync.RedisCluster
 ) -> None:
-    """Issue #13: the walk reads the key index of each partition, in its own slot, and
+    """The walk reads the key index of each partition, in its own slot, and
     never SCANs a primary; ``scan=True`` (keys from before the index) SCANs every one."""
     keys = [f"key-{i}" for i in range(12)]
     for k in keys:
@@ -313,15 +312,7 @@ async def test_the_mcp_tools_on_a_cluster(
     tmp_path: Path, cluster: Cluster, cluster_db: redis_sync.RedisCluster
 ) -> None:
     (tmp_path / "triggers.yaml").write_text(YAML)
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "gateway", "mcp", "--config", str(tmp_path / "triggers.yaml"),
-              "--redis-url", cluster.seeds_url],
-        cwd=ROOT,
-    )  # fmt: skip
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-        tools = Tools(session)
+    async with mcp_session(tmp_path / "triggers.yaml", cluster.seeds_url) as tools:
         run_id = await tools.start(workflow_id="orders", params={}, idempotency_key="k")
         assert await tools.start(workflow_id="orders", params={}, idempotency_key="k") == run_id
         assert "Phase: running" in await tools.ok("get_run", run_id=run_id)
@@ -416,8 +407,8 @@ async def test_the_delivery_log_records_and_pages_in_one_slot(
 ) -> None:
     """Its scripts name keys they build from a base (records trimmed or listed): all
     share the log's hash tag, so a cluster serves them from one slot."""
-    from gateway.deliveries import get_delivery, list_deliveries, write_records
-    from tests.test_delivery_log import deliver, load, push, signed
+    from gateway.deliveries.log import get_delivery, list_deliveries, write_records
+    from tests.deliveries_scaffold import deliver, load, push, signed
 
     client = redis_client(cluster.seeds_url, 5.0)
     try:

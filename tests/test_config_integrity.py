@@ -1,4 +1,4 @@
-"""A config that says one thing twice, or expands without bound, is refused (issue #9).
+"""A config that says one thing twice, or expands without bound, is refused.
 
 Each refusal is one line naming the file and, where YAML knows it, the line; it
 comes quickly, however the file was built to make it slow or long.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_config, parse_config
-from gateway.errors import ConfigError, RealmError
+from gateway.loading import load_config, parse_config
+from gateway.model.errors import ConfigError, RealmError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "triggers.yaml"
 SHIPPED_SECRETS = ("GITHUB_WEBHOOK_SECRET", "STRIPE_WEBHOOK_SECRET", "REALM_TRIGGER_TOKEN")

@@ -3,7 +3,7 @@ the listener recorded, the filters, paging while deliveries arrive, and replays,
 including the main use: a delivery ignored by a wrong trigger, replayed once fixed.
 
 The listener writes its records every 100 ms: a test polls until what it sent is in
-the log (``wait_for``), with a deadline.
+the log (``wait_for`` here, ``sent`` of tests/deliveries_scaffold.py), with a deadline.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,71 +23,31 @@ import orjson
 import pytest
 import redis
 
+from tests import deliveries_scaffold
+from tests.deliveries_scaffold import (
+    API_TOKEN,
+    CONFIG,
+    DLV,
+    ENV,
+    UNKNOWN,
+    WRONG_WHEN,
+    github,
+    plain,
+    push_body,
+    sent,
+)
 from tests.listener import Listener
 from tests.servers import RedisServer
-from tests.signing import github_headers
 
-TOKEN = "deliveries-api-token-51c2"
-GIT_SECRET = "git-secret-0d9e4a"
-HOOK_TOKEN = "hook-token-77b1f0"
-ENV = {"REALM_API_TOKEN": TOKEN, "GIT_SECRET": GIT_SECRET, "HOOK_TOKEN": HOOK_TOKEN}
-CONFIG = """
-version: 1
-settings:
-  max_stored_body_bytes: 200
-workflows:
-  sync: {steps: [fetch, load]}
-  deploy: {steps: [build, release]}
-triggers:
-  push:
-    workflow: deploy
-    path: /hooks/git
-    verify: {scheme: github, secret_env: GIT_SECRET}
-    when: [{header: X-GitHub-Event, equals: push}]
-    event_id: {header: X-GitHub-Delivery}
-    params: {ref: $.ref}
-  plain:
-    workflow: sync
-    path: /hooks/plain
-    verify: {scheme: token, header: X-Token, secret_env: HOOK_TOKEN}
-    event_id: {header: X-Event-Id}
-"""
-DLV = r"dlv-[0-9a-f]{12}-[0-9a-f]{8}"
-UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-UNKNOWN = "dlv-000000000000-00000000"
-
-
-@pytest.fixture(scope="module")
-def listener(
-    module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Listener]:
-    started = Listener(
-        tmp_path_factory.mktemp("deliveries-api"), CONFIG, redis_url=module_redis.url, env=ENV
-    ).start()
-    yield started
-    started.stop()
+listener = deliveries_scaffold.listener
+BEARER = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
 @pytest.fixture
-def api(listener: Listener, module_redis: RedisServer) -> Iterator[httpx.Client]:
-    redis.Redis.from_url(module_redis.url).flushall()
-    with httpx.Client(
-        base_url=listener.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-    ) as client:
+def api(listener: Listener, db: redis.Redis) -> Iterator[httpx.Client]:
+    """The admin API of the module's listener, on an empty store."""
+    with httpx.Client(base_url=listener.base_url, headers=BEARER, timeout=10) as client:
         yield client
-
-
-def github(
-    client: httpx.Client, body: bytes, *, event: str = "push", delivery: str = "d-1", **more: str
-) -> httpx.Response:
-    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery, **more)
-    # No bearer token on a webhook: the sender's own headers only.
-    return httpx.post(str(client.base_url.join("/hooks/git")), content=body, headers=headers)
-
-
-def plain(client: httpx.Client, event_id: str, body: bytes = b"{}", token: str = HOOK_TOKEN):
-    headers = {"X-Token": token, "X-Event-Id": event_id, "Content-Type": "application/json"}
-    return httpx.post(str(client.base_url.join("/hooks/plain")), content=body, headers=headers)
 
 
 def listed(api: httpx.Client, **query: Any) -> list[dict[str, Any]]:
@@ -107,25 +67,12 @@ def wait_for(api: httpx.Client, count: int, **query: Any) -> list[dict[str, Any]
         time.sleep(0.02)
 
 
-def sent(api: httpx.Client, send: Callable[[], httpx.Response], status: int) -> str:
-    """Send one delivery, wait until it is in the log; its delivery id. Waiting also
-    keeps deliveries in distinct milliseconds, so newest-first is one order."""
-    before = len(listed(api))
-    reply = send()
-    assert reply.status_code == status, reply.text
-    return wait_for(api, before + 1)[0]["delivery_id"]
-
-
-def push_body(ref: str = "refs/heads/main") -> bytes:
-    return orjson.dumps({"ref": ref, "repository": {"full_name": "o/r"}})
-
-
 def test_a_delivery_that_started_a_run_is_listed_and_shown_without_its_signature(
-    api: httpx.Client,
+    api: httpx.Client, listener: Listener
 ):
     body = push_body()
     before = int(time.time() * 1000)
-    reply = github(api, body, delivery="d-41", **{"X-Request-Note": "first try"})
+    reply = github(listener.base_url, body, delivery="d-41", **{"X-Request-Note": "first try"})
     after = int(time.time() * 1000)
     assert reply.status_code == 202
     run_id = reply.json()["results"][0]["run_id"]
@@ -197,8 +144,10 @@ def test_a_delivery_that_started_a_run_is_listed_and_shown_without_its_signature
     assert 0 < record.json()["ms"] < 10_000
 
 
-def test_a_refused_delivery_is_listed_with_its_reason_and_nothing_it_sent(api: httpx.Client):
-    delivery_id = sent(api, lambda: plain(api, "e-1", token="wrong-token"), 401)
+def test_a_refused_delivery_is_listed_with_its_reason_and_nothing_it_sent(
+    api: httpx.Client, listener: Listener, db: redis.Redis
+):
+    _, delivery_id = sent(db, lambda: plain(listener.base_url, "e-1", token="wrong-token"), 401)
     (summary,) = listed(api)
     assert summary == {
         "delivery_id": delivery_id,
@@ -237,12 +186,15 @@ def test_a_refused_delivery_is_listed_with_its_reason_and_nothing_it_sent(api: h
     )
 
 
-def test_filters_by_path_status_outcome_and_since(api: httpx.Client):
-    started = sent(api, lambda: github(api, push_body(), delivery="d-1"), 202)
-    ignored = sent(api, lambda: github(api, push_body(), event="ping", delivery="d-2"), 200)
-    plain_started = sent(api, lambda: plain(api, "e-1"), 202)
-    deduplicated = sent(api, lambda: plain(api, "e-1"), 200)
-    refused = sent(api, lambda: plain(api, "e-2", token="nope"), 401)
+def test_filters_by_path_status_outcome_and_since(
+    api: httpx.Client, listener: Listener, db: redis.Redis
+):
+    url = listener.base_url
+    _, started = sent(db, lambda: github(url, push_body(), delivery="d-1"), 202)
+    _, ignored = sent(db, lambda: github(url, push_body(), event="ping", delivery="d-2"), 200)
+    _, plain_started = sent(db, lambda: plain(url, "e-1"), 202)
+    _, deduplicated = sent(db, lambda: plain(url, "e-1"), 200)
+    _, refused = sent(db, lambda: plain(url, "e-2", token="nope"), 401)
     everything = [refused, deduplicated, plain_started, ignored, started]
 
     def ids(**query: Any) -> list[str]:
@@ -307,7 +259,7 @@ def test_a_bad_filter_is_422_naming_it(api: httpx.Client, query: dict, message: 
     )
 
 
-def test_bad_and_unknown_ids_and_no_token(api: httpx.Client, listener: Listener):
+def test_bad_and_unknown_ids_and_no_token(api: httpx.Client, listener: Listener, db: redis.Redis):
     for method, suffix in (("GET", ""), ("POST", "/replay")):
         bad = api.request(method, f"/v1/deliveries/not-an-id{suffix}")
         assert (bad.status_code, bad.json()) == (
@@ -329,7 +281,7 @@ def test_bad_and_unknown_ids_and_no_token(api: httpx.Client, listener: Listener)
                 "settings.delivery_retention and at most settings.max_deliveries)",
             },
         )
-    delivery_id = sent(api, lambda: plain(api, "e-5"), 202)
+    _, delivery_id = sent(db, lambda: plain(listener.base_url, "e-5"), 202)
     wrong = api.post(f"/v1/deliveries/{delivery_id}/replay", json={"rerun": "yes"})
     assert (wrong.status_code, wrong.json()["code"]) == (422, "VALIDATION_BODY")
     for method, path in (
@@ -343,8 +295,8 @@ def test_bad_and_unknown_ids_and_no_token(api: httpx.Client, listener: Listener)
     assert len(listed(api)) == 1
 
 
-def test_replay_deduplicates_and_rerun_starts_a_new_run(api: httpx.Client):
-    first = github(api, push_body(), delivery="d-7")
+def test_replay_deduplicates_and_rerun_starts_a_new_run(api: httpx.Client, listener: Listener):
+    first = github(listener.base_url, push_body(), delivery="d-7")
     run_id = first.json()["results"][0]["run_id"]
     (original,) = wait_for(api, 1)
     delivery_id = original["delivery_id"]
@@ -397,9 +349,9 @@ def test_replay_deduplicates_and_rerun_starts_a_new_run(api: httpx.Client):
     assert sorted(r["run_id"] for r in runs) == sorted([run_id, result["run_id"]])
 
 
-def test_a_truncated_body_is_not_replayable(api: httpx.Client):
+def test_a_truncated_body_is_not_replayable(api: httpx.Client, listener: Listener, db: redis.Redis):
     body = orjson.dumps({"pad": "x" * 300})
-    delivery_id = sent(api, lambda: plain(api, "e-long", body=body), 202)
+    _, delivery_id = sent(db, lambda: plain(listener.base_url, "e-long", body=body), 202)
     record = api.get(f"/v1/deliveries/{delivery_id}").json()
     assert (record["body"], record["body_size"], record["body_truncated"]) == (
         body[:200].decode(),
@@ -419,26 +371,18 @@ def test_a_truncated_body_is_not_replayable(api: httpx.Client):
     )
 
 
-WRONG_WHEN = CONFIG.replace(
-    "when: [{header: X-GitHub-Event, equals: push}]",
-    "when: [{header: X-GitHub-Event, equals: push}, {jsonpath: $.ref, equals: refs/heads/master}]",
-)
-
-
 @pytest.mark.parametrize("apply", ["sighup", "restart"])
 def test_a_delivery_ignored_by_a_wrong_trigger_starts_a_run_once_the_trigger_is_fixed(
-    module_redis: RedisServer, tmp_path: Path, apply: str
+    module_redis: RedisServer, db: redis.Redis, tmp_path: Path, apply: str
 ):
     """The main use: a trigger's `when` was wrong, so a push was ignored; after the
     file is fixed and the listener serves it (reloaded on SIGHUP, or restarted), the
     stored delivery is replayed and starts the run. The reload case shows the replay
     takes the configuration served now, not the one the worker started with."""
-    redis.Redis.from_url(module_redis.url).flushall()
     listener = Listener(tmp_path, WRONG_WHEN, redis_url=module_redis.url, env=ENV).start()
-    headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        with httpx.Client(base_url=listener.base_url, headers=headers, timeout=10) as api:
-            reply = github(api, push_body("refs/heads/main"), delivery="d-main")
+        with httpx.Client(base_url=listener.base_url, headers=BEARER, timeout=10) as api:
+            reply = github(listener.base_url, push_body("refs/heads/main"), delivery="d-main")
             assert (reply.status_code, reply.json()["results"][0]["outcome"]) == (200, "ignored")
             (ignored,) = wait_for(api, 1)
             delivery_id = ignored["delivery_id"]
@@ -457,7 +401,7 @@ def test_a_delivery_ignored_by_a_wrong_trigger_starts_a_run_once_the_trigger_is_
         else:
             assert listener.process is not None
             os.kill(listener.process.pid, signal.SIGHUP)
-        with httpx.Client(base_url=listener.base_url, headers=headers, timeout=10) as api:
+        with httpx.Client(base_url=listener.base_url, headers=BEARER, timeout=10) as api:
             deadline = time.monotonic() + 20
             while api.get("/readyz").json()["config_version"] == first["config_version"]:
                 assert time.monotonic() < deadline, listener.log()[-2000:]
@@ -486,18 +430,19 @@ def test_a_delivery_ignored_by_a_wrong_trigger_starts_a_run_once_the_trigger_is_
         listener.stop()
 
 
-def test_paging_sees_every_delivery_once_while_deliveries_arrive(api: httpx.Client):
+def test_paging_sees_every_delivery_once_while_deliveries_arrive(
+    api: httpx.Client, listener: Listener
+):
     for i in range(40):
-        assert plain(api, f"before-{i}").status_code == 202
+        assert plain(listener.base_url, f"before-{i}").status_code == 202
     before = {d["delivery_id"] for d in wait_for(api, 40)}
 
     stop = threading.Event()
     posted: list[int] = []  # each reply's status (a thread's assert would go unseen)
 
     def keep_posting() -> None:
-        with httpx.Client(base_url=api.base_url, timeout=10) as client:
-            while not stop.is_set():
-                posted.append(plain(client, f"during-{len(posted)}").status_code)
+        while not stop.is_set():
+            posted.append(plain(listener.base_url, f"during-{len(posted)}").status_code)
 
     poster = threading.Thread(target=keep_posting)
     poster.start()
@@ -544,7 +489,9 @@ def test_paging_sees_every_delivery_once_while_deliveries_arrive(api: httpx.Clie
     assert len(walked) == len(set(walked)) == total
 
 
-def test_the_openapi_document_describes_what_the_routes_answer(api: httpx.Client):
+def test_the_openapi_document_describes_what_the_routes_answer(
+    api: httpx.Client, listener: Listener, db: redis.Redis
+):
     """The replies of the three routes validate against /openapi.json's schemas, which
     name every field a reply has."""
     import jsonschema
@@ -564,8 +511,8 @@ def test_the_openapi_document_describes_what_the_routes_answer(api: httpx.Client
     rerun = replay_body["content"]["application/json"]["schema"]["properties"]["rerun"]
     assert (rerun["type"], rerun["default"]) == ("boolean", False)
 
-    started = sent(api, lambda: github(api, push_body(), delivery="d-9"), 202)
-    refused = sent(api, lambda: plain(api, "e-9", token="nope"), 401)
+    _, started = sent(db, lambda: github(listener.base_url, push_body(), delivery="d-9"), 202)
+    _, refused = sent(db, lambda: plain(listener.base_url, "e-9", token="nope"), 401)
     replayed = api.post(f"/v1/deliveries/{started}/replay", json={"rerun": True}).json()
     page = api.get("/v1/deliveries").json()
     jsonschema.validate(page, schema("/v1/deliveries", "get"))

@@ -8,69 +8,34 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 import redis
 
-from gateway.deliveries import OUTCOMES, LogKeys
+from gateway.deliveries.log import OUTCOMES
+from tests import deliveries_scaffold
+from tests.deliveries_scaffold import (
+    CONFIG,
+    SECRETS,
+    UNKNOWN,
+    UUID,
+    WRONG_WHEN,
+    github,
+    plain,
+    sent,
+)
 from tests.listener import Listener
 from tests.servers import RedisServer
-from tests.signing import github_headers
 
-GIT_SECRET = "git-secret-cli-3f81"
-HOOK_TOKEN = "hook-token-cli-a07c"
-SECRETS = {"GIT_SECRET": GIT_SECRET, "HOOK_TOKEN": HOOK_TOKEN}
-CONFIG = """
-version: 1
-workflows:
-  sync: {steps: [fetch, load]}
-  deploy: {steps: [build, release]}
-triggers:
-  push:
-    workflow: deploy
-    path: /hooks/git
-    verify: {scheme: github, secret_env: GIT_SECRET}
-    when: [{header: X-GitHub-Event, equals: push}]
-    event_id: {header: X-GitHub-Delivery}
-    params: {ref: $.ref}
-  plain:
-    workflow: sync
-    path: /hooks/plain
-    verify: {scheme: token, header: X-Token, secret_env: HOOK_TOKEN}
-    event_id: {header: X-Event-Id}
-"""
-WRONG_WHEN = CONFIG.replace("equals: push}]", "equals: pushed}]")
-UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-UNKNOWN = "dlv-000000000000-00000000"
 SINCE_ERROR = (
     "Error: --since must be an ISO 8601 time like 2026-05-01T12:00:00Z (UTC unless it names "
     "an offset) or a duration like 90m, 2h or 3d, meaning that long ago (got 'yesterday')\n"
 )
-
-
-@pytest.fixture(scope="module")
-def listener(
-    module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Listener]:
-    started = Listener(
-        tmp_path_factory.mktemp("deliveries-cli"), CONFIG, redis_url=module_redis.url, env=SECRETS
-    ).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def db(module_redis: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_redis.url, decode_responses=True)
-    client.flushall()
-    yield client
-    client.close()
+listener = deliveries_scaffold.listener
 
 
 class Realm:
@@ -101,37 +66,6 @@ def realm(listener: Listener, module_redis: RedisServer, db: redis.Redis) -> Rea
     return Realm(listener.config_path, module_redis.url)
 
 
-def logged(db: redis.Redis) -> int:
-    keys = LogKeys("realm")
-    return int(db.zcard(keys.index)) + int(db.zcard(keys.refused))
-
-
-def wait_logged(db: redis.Redis, count: int) -> None:
-    """The listener writes its records every 100 ms: wait until ``count`` are in."""
-    deadline = time.monotonic() + 10
-    while logged(db) < count:
-        assert time.monotonic() < deadline, f"{logged(db)} of {count} deliveries logged"
-        time.sleep(0.02)
-
-
-def send(db: redis.Redis, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
-    """One delivery, waited for in the log (so deliveries fall in distinct ms)."""
-    before = logged(db)
-    reply = httpx.post(url, content=body, headers=headers, timeout=10)
-    wait_logged(db, before + 1)
-    return reply
-
-
-def github(db: redis.Redis, base: str, body: bytes, event: str = "push", delivery: str = "d-1"):
-    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery)
-    return send(db, base + "/hooks/git", body, headers)
-
-
-def plain(db: redis.Redis, base: str, event_id: str, *, token: str = HOOK_TOKEN, body=b"{}"):
-    headers = {"X-Token": token, "X-Event-Id": event_id}
-    return send(db, base + "/hooks/plain", body, headers)
-
-
 def listed(realm: Realm, *args: str) -> dict:
     out = realm("list", "--json", *args)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -147,10 +81,10 @@ def test_list_show_and_replay_print_the_documented_text(
     realm: Realm, listener: Listener, db: redis.Redis
 ):
     body = orjson.dumps({"ref": "refs/heads/main", "n": [1, 2]})
-    started = github(db, listener.base_url, body, delivery="d-41")
+    started, _ = sent(db, lambda: github(listener.base_url, body, delivery="d-41"))
     run_id = started.json()["results"][0]["run_id"]
-    github(db, listener.base_url, body, event="ping", delivery="d-42")
-    plain(db, listener.base_url, "e-1", token="wrong")
+    sent(db, lambda: github(listener.base_url, body, event="ping", delivery="d-42"))
+    sent(db, lambda: plain(listener.base_url, "e-1", token="wrong"))
     page = listed(realm)
     assert page["cursor"] is None
     refused, ignored, first = page["deliveries"]
@@ -275,7 +209,7 @@ def test_list_show_and_replay_print_the_documented_text(
 
 def test_what_a_sender_chose_is_printed_escaped(realm: Realm, listener: Listener, db):
     """A body cannot add lines of its own to `show` or drive the terminal."""
-    plain(db, listener.base_url, "e-1", body=b"line one\x1b[2K\r\nstatus: ok")
+    sent(db, lambda: plain(listener.base_url, "e-1", body=b"line one\x1b[2K\r\nstatus: ok"))
     (summary,) = listed(realm)["deliveries"]
     shown = realm("show", summary["delivery_id"]).stdout
     assert "\x1b" not in shown and "\r" not in shown
@@ -284,7 +218,7 @@ def test_what_a_sender_chose_is_printed_escaped(realm: Realm, listener: Listener
 
 def test_pages_follow_the_printed_cursor(realm: Realm, listener: Listener, db: redis.Redis):
     for i in range(5):
-        plain(db, listener.base_url, f"e-{i}")
+        sent(db, partial(plain, listener.base_url, f"e-{i}"))
     everything = [d["delivery_id"] for d in listed(realm)["deliveries"]]
     seen: list[str] = []
     cursor: list[str] = []
@@ -311,9 +245,10 @@ def test_pages_follow_the_printed_cursor(realm: Realm, listener: Listener, db: r
 
 @pytest.mark.slow
 def test_filters_and_bad_values(realm: Realm, listener: Listener, db: redis.Redis):
-    github(db, listener.base_url, b'{"ref": "x"}', delivery="d-1")
-    github(db, listener.base_url, b'{"ref": "x"}', event="ping", delivery="d-2")
-    plain(db, listener.base_url, "e-1", token="wrong")
+    url = listener.base_url
+    sent(db, lambda: github(url, b'{"ref": "x"}', delivery="d-1"))
+    sent(db, lambda: github(url, b'{"ref": "x"}', event="ping", delivery="d-2"))
+    sent(db, lambda: plain(url, "e-1", token="wrong"))
     refused, ignored, started = (d["delivery_id"] for d in listed(realm)["deliveries"])
 
     def ids(*args: str) -> list[str]:
@@ -384,7 +319,9 @@ def test_replay_after_fixing_the_trigger_starts_the_run(
     the file is fixed, and the replay (with the fixed file) starts the run."""
     wrong = Listener(tmp_path, WRONG_WHEN, redis_url=module_redis.url, env=SECRETS).start()
     try:
-        reply = github(db, wrong.base_url, b'{"ref": "refs/heads/main"}', delivery="d-main")
+        reply, _ = sent(
+            db, lambda: github(wrong.base_url, b'{"ref": "refs/heads/main"}', delivery="d-main")
+        )
         assert (reply.status_code, reply.json()["results"][0]["outcome"]) == (200, "ignored")
     finally:
         wrong.stop()

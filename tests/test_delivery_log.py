@@ -1,4 +1,4 @@
-"""The delivery log's store (gateway/deliveries.py): what a record keeps and leaves out,
+"""The delivery log's store (gateway/deliveries/log.py): what a record keeps and leaves out,
 trimming to the retention and the count caps, paging by position while deliveries
 are recorded, and replay's semantics. Against a real Redis; the listener's own
 recording is tested end to end in tests/test_deliveries_api.py."""
@@ -11,93 +11,30 @@ import dataclasses
 import time
 from typing import Any
 
-import orjson
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import Config, parse_config
-from gateway.deliveries import (
+from gateway.deliveries.log import (
     DeliveryFilter,
     DeliveryRecorder,
     LogKeys,
-    Received,
     get_delivery,
     list_deliveries,
     replay,
     write_records,
 )
-from gateway.delivery import Reply, handle
-from gateway.errors import RealmError
-from gateway.serving import triggers_by_path
-from gateway.store import RunStore
-from gateway.webhooks import RequestHeaders
-from tests.signing import github_headers
+from gateway.ingest.delivery import Reply
+from gateway.ingest.served import triggers_by_path
+from gateway.model.errors import RealmError
+from gateway.store.runstore import RunStore
+from tests.deliveries_scaffold import STORE_CONFIG, deliver, load, push, signed
 
-SECRET = "it's-a-secret-to-everybody"
-CONFIG = """
-version: 1
-settings:
-  max_stored_body_bytes: 2000
-  max_deliveries: 50
-workflows:
-  deploy: {steps: [build, release]}
-triggers:
-  push:
-    workflow: deploy
-    path: /hooks/github
-    verify: {scheme: github, secret_env: GH_SECRET}
-    when:
-      - {header: X-GitHub-Event, equals: push}
-    event_id: {header: X-GitHub-Delivery}
-    params: {ref: $.ref}
-"""
-FIXED = CONFIG.replace("equals: push", "in: [push, release]")
-
-
-def load(text: str = CONFIG) -> Config:
-    return parse_config(text, file="test.yaml", env={"GH_SECRET": SECRET})
-
-
-# Sent beside the signature: credentials a record must leave out, and one it keeps.
-ALSO_SENT = {
-    "X-Hub-Signature": "sha1=0000",
-    "Authorization": "Bearer abc",
-    "Cookie": "session=1",
-    "User-Agent": "GitHub-Hookshot/abc",
-}
-
-
-def signed(body: bytes, event: str = "push", delivery: str | None = None) -> list[list[str]]:
-    """A GitHub delivery's headers as the listener receives them (lower-case), the
-    signature fourth."""
-    headers = github_headers(body, SECRET, event=event, delivery=delivery, **ALSO_SENT)
-    return [[name.lower(), value] for name, value in headers.items()]
-
-
-def raw(headers: list[list[str]]) -> list[tuple[bytes, bytes]]:
-    return [(n.encode(), v.encode()) for n, v in headers]
-
-
-async def deliver(
-    store: RunStore, body: bytes, headers: list[list[str]], *, when_ms: int | None = None
-) -> Received:
-    """One delivery through the real request path, as the listener hands it over."""
-    triggers = triggers_by_path(store.config)["/hooks/github"]
-    lookup = RequestHeaders(raw(headers))
-    reply = await handle(store, triggers, lookup, lookup.get("content-type"), body)
-    received = int(time.time() * 1000) if when_ms is None else when_ms
-    return Received(
-        received, "/hooks/github", reply, 1.5, store.config.version, triggers, raw(headers), body
-    )
+FIXED = STORE_CONFIG.replace("equals: push}", "in: [push, release]}")
 
 
 @pytest.fixture
 async def log_store(redis: Redis) -> RunStore:
     return RunStore(redis, load(), timeout=5.0)
-
-
-def push(ref: str = "refs/heads/main", pad: int = 0) -> bytes:
-    return orjson.dumps({"ref": ref, "pad": "x" * pad})
 
 
 async def test_a_started_delivery_is_kept_without_its_credentials(log_store: RunStore) -> None:
@@ -110,7 +47,7 @@ async def test_a_started_delivery_is_kept_without_its_credentials(log_store: Run
     assert record == {
         "delivery_id": delivery_id,
         "received_ms": item.received_ms,
-        "path": "/hooks/github",
+        "path": "/hooks/git",
         "status": 202,
         "code": None,
         "message": None,
@@ -157,7 +94,7 @@ async def test_a_started_delivery_is_kept_without_its_credentials(log_store: Run
         {
             "delivery_id": delivery_id,
             "received_ms": item.received_ms,
-            "path": "/hooks/github",
+            "path": "/hooks/git",
             "status": 202,
             "code": None,
             "outcomes": [{"trigger": "push", "outcome": "started", "run_id": run_id}],
@@ -285,13 +222,13 @@ async def test_filters_select_by_path_status_outcome_and_time(log_store: RunStor
         return [d["delivery_id"] for d in page]
 
     assert await found() == ids[::-1]
-    assert await found(path="/hooks/github") == [ids[2], ids[1], ids[0]]
+    assert await found(path="/hooks/git") == [ids[2], ids[1], ids[0]]
     assert await found(status="202") == [ids[3], ids[0]]
     assert await found(status="2xx") == [ids[3], ids[1], ids[0]]
     assert await found(status="4xx") == [ids[2]]
     assert await found(outcome="unverified") == [ids[2]]
     assert await found(outcome="ignored") == [ids[1]]
-    assert await found(outcome="started", path="/hooks/github") == [ids[0]]
+    assert await found(outcome="started", path="/hooks/git") == [ids[0]]
     assert await found(since_ms=now - 3500) == [ids[3], ids[2]]
 
     for where, message in [
@@ -403,7 +340,7 @@ async def test_a_delivery_ignored_by_a_wrong_trigger_starts_a_run_once_fixed(
         await replay(log_store, {}, settings, "v", ignored_id)
     assert (gone.value.code, gone.value.message) == (
         "NOT_FOUND_PATH",
-        "no trigger serves /hooks/github in the current configuration: delivery "
+        "no trigger serves /hooks/git in the current configuration: delivery "
         f"{ignored_id} has nothing to be matched against",
     )
     missing = "dlv-000000000000-00000000"

@@ -11,7 +11,7 @@
 - deploy/grafana/: every metric a panel asks for is one a real listener serves.
 
 Each also checks that the files agree with the gateway: the graceful shutdown
-(gateway/listen.py), the config path, the ports, the secret variables the
+(gateway/serving/listen.py), the config path, the ports, the secret variables the
 triggers name. A missing tool skips its test with the reason.
 """
 
@@ -39,9 +39,9 @@ import pytest
 import redis as redis_sync
 import yaml
 
-from gateway.config import load_config
-from gateway.connection import check_redis_url
-from gateway.listen import GRACEFUL_SHUTDOWN_SECONDS
+from gateway.link.connection import check_redis_url
+from gateway.loading import load_config
+from gateway.serving.listen import GRACEFUL_SHUTDOWN_SECONDS
 from tests.listener import LOGS
 from tests.servers import RedisServer, free_port
 from tests.signing import github_headers

@@ -13,15 +13,16 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.config import Config, Durability, parse_config
-from gateway.connection import redis_client
-from gateway.embedded import shipped_server_binary
-from gateway.errors import ConfigError, StoreUnavailable
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.link.embedded import shipped_server_binary
+from gateway.loading import parse_config
+from gateway.model.config import Config, Durability
+from gateway.model.errors import ConfigError, StoreUnavailable
+from gateway.store.runstore import RunStore
 from tests.conftest import WORKFLOWS_YAML
+from tests.exactly_once import CONFIG, DEPLOY, ENV, make_events
 from tests.listener import Listener
 from tests.servers import RedisServer
-from tests.test_faults import CONFIG, DEPLOY, ENV, make_events
 
 TIMEOUT = 0.3  # durability.timeout in these tests
 

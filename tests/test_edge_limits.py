@@ -1,4 +1,4 @@
-"""The listener's HTTP edge and start-up (issue 9, items 7, 9-13 and the small ones).
+"""The listener's HTTP edge and start-up.
 
 Real `realm listen` processes (tests/listener.py) and real redis-server processes of
 the tests' own: a budget for request bodies held before they are answered, a cap
@@ -27,9 +27,10 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.connection import check_redis_url, redact_url
-from gateway.verify import parse_verify, verify
-from gateway.webhooks import BodyBudget, RequestHeaders
+from gateway.ingest.webhooks import BodyBudget, RequestHeaders
+from gateway.link.connection import check_redis_url, redact_url
+from gateway.signatures.parse import parse_verify
+from gateway.signatures.verify import verify
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer, free_port
 from tests.signing import github_headers, standard_headers
@@ -195,7 +196,7 @@ def _unsigned_head(size: int) -> bytes:
     )
 
 
-# --------------------------------------------------------------------------- item 7: bodies
+# --------------------------------------------------------------------------- bodies
 
 
 @pytest.mark.slow
@@ -332,7 +333,7 @@ def test_budget_unit() -> None:
     assert budget.held == 10
 
 
-# --------------------------------------------------------------------------- item 7: heads
+# --------------------------------------------------------------------------- heads
 
 
 def test_a_one_mib_header_is_431_and_never_reaches_the_app(gateway, db):
@@ -416,7 +417,7 @@ def test_heads_under_the_cap_pass_on_a_kept_alive_connection(small, db):
         assert "4096" in reply.json()["message"]
 
 
-# --------------------------------------------------------------------------- item 9
+# --------------------------------------------------------------------------- hostile timestamps
 
 
 @pytest.mark.parametrize("digits", [14, 5000])
@@ -453,7 +454,7 @@ class _Lookup:
         return self.values.get(key, [])
 
 
-# --------------------------------------------------------------------------- small items
+# ------------------------------------------------------------------------ headers, small limits
 
 
 def test_request_headers_trim_ows_and_read_utf8() -> None:
@@ -513,7 +514,7 @@ def test_redact_url_hides_every_password() -> None:
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
-# --------------------------------------------------------------------------- items 12, 13
+# --------------------------------------------------------------------------- start-up
 
 
 def _realm(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -582,7 +583,7 @@ def test_an_unreachable_store_is_said_at_start_and_readyz_carries_a_code(tmp_pat
         listener.stop()
 
 
-# --------------------------------------------------------------------------- items 10, 11
+# --------------------------------------------------------------------------- a busy Redis
 
 BUSY_LOOP = """
 local t0 = redis.call('TIME')

@@ -1,4 +1,4 @@
-"""The embedded server of DESIGN §8: found without a system Redis, durable, reused,
+"""The embedded server: found without a system Redis, durable, reused,
 private, and stopped by the last realm process that uses its folder."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.embedded import (
+from gateway.link.embedded import (
     SOCKET_RECORD,
     EmbeddedServer,
     find_server_binary,

@@ -1,4 +1,5 @@
-"""gateway.extract: body parsing and the compiled extractors. Pure: no Redis."""
+"""Body parsing and the compiled extractors (gateway/ingest/: body, jsonpath, conditions,
+idempotency, params). Pure: no Redis."""
 
 from __future__ import annotations
 
@@ -14,19 +15,17 @@ from hypothesis import strategies as st
 from jsonpath_ng.ext import parse as jsonpath_parse
 from starlette.datastructures import Headers
 
-from gateway.errors import RealmError
-from gateway.extract import (
+from gateway.ingest.body import BodyError, parse_body
+from gateway.ingest.conditions import compile_condition
+from gateway.ingest.idempotency import (
     VALIDATION_EVENT_ID,
-    BodyError,
     ExtractError,
-    ParamError,
-    compile_condition,
     compile_event_id,
     compile_key,
-    compile_params,
-    compile_path,
-    parse_body,
 )
+from gateway.ingest.jsonpath import compile_path
+from gateway.ingest.params import ParamError, compile_params
+from gateway.model.errors import RealmError
 
 # Payloads kept with the tests (tests/payloads/README.md says where from).
 PAYLOADS = FsPath(__file__).resolve().parent / "payloads"

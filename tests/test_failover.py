@@ -36,35 +36,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import redis as redis_sync
 
-from gateway.keys import Keys
 from tests.cluster import Cluster
-from tests.listener import Listener
-from tests.senders import Attempt, Tally, send_all
-from tests.sentinel import PASSWORD, SentinelDeployment
-from tests.servers import RedisServer
-from tests.test_faults import (
+from tests.exactly_once import (
     CONFIG,
-    ENV,
-    SENDERS,
-    Verdict,
+    DEPLOY,
     assert_exactly_once,
     count,
     figures,
     judge,
+    listening,
+    loaded,
     make_events,
-    reached,
     redelivered,
-    wait_for_workers,
 )
+from tests.senders import Attempt, Delivery, Outcome, Tally
+from tests.sentinel import PASSWORD, SentinelDeployment
+from tests.servers import RedisServer
 
-DEPLOY = Keys("realm", "deploy")
 EVENTS = 1500
 ACKED_BEFORE = 300  # acknowledgements before the fault
 ACKED_IN_WINDOW = 150  # at most this many more while the replica is cut off
@@ -77,19 +71,6 @@ def config_text(durable: bool) -> str:
     if not durable:
         return CONFIG
     return CONFIG + "settings:\n  durability: {replicas: 1}\n"
-
-
-@contextmanager
-def listening(tmp_path: Path, url: str, durable: bool) -> Iterator[Listener]:
-    workdir = tmp_path / "listen"
-    workdir.mkdir()
-    listener = Listener(workdir, config_text(durable), redis_url=url, env=ENV, workers=2)
-    listener.start()
-    try:
-        wait_for_workers(listener, 2)
-        yield listener
-    finally:
-        listener.stop()
 
 
 def cut_off(primary: redis_sync.Redis, replicas: Sequence[RedisServer]) -> None:
@@ -116,9 +97,22 @@ def first_2xx_sent_after(attempts: Sequence[Attempt], t: float) -> float | None:
     return min(done) - t if done else None
 
 
-def report(name: str, v: Verdict, **extra: object) -> None:
+def conclude(
+    how: str,
+    durable: bool,
+    url: str,
+    events: Sequence[Delivery],
+    outcomes: Sequence[Outcome],
+    t_kill: float,
+    **extra: float,
+) -> None:
+    """Judge what the new primary at ``url`` holds, print the figures, and check them.
+    Either way: only retryable answers reach a sender, every run is queued once;
+    durable: 0 lost, one run per event, every delivery acknowledged."""
+    v = judge(url, events, outcomes)
+    recovery = first_2xx_sent_after([a for o in outcomes for a in o.attempts], t_kill)
     figures(
-        name,
+        f"failover-{how} durable={'yes' if durable else 'no'}",
         events=v.events,
         deliveries=v.deliveries,
         acked=v.acked,
@@ -130,16 +124,13 @@ def report(name: str, v: Verdict, **extra: object) -> None:
         replies_503=count(v, "503"),
         conn_errors=count(v, "conn"),
         other_non2xx=v.non2xx - count(v, "503") - count(v, "conn"),
-        **extra,  # type: ignore[arg-type]
+        **extra,
+        back_after_kill_s=recovery if recovery is not None else -1.0,
     )
-
-
-def check(v: Verdict, durable: bool) -> None:
-    # Either way: only retryable answers reach a sender, every run is queued once.
     assert v.non2xx == count(v, "503") + count(v, "conn"), v.statuses
     assert v.runs_without_one_stream_entry == 0, v
     if durable:
-        assert_exactly_once(v)  # 0 lost, one run per event, every delivery acknowledged
+        assert_exactly_once(v)
 
 
 # --------------------------------------------------------------------------- Sentinel
@@ -156,13 +147,8 @@ async def test_sentinel_failover_under_load(
     tally = Tally()
     replicas = sentinel.replicas
     async with asyncio.timeout(150):
-        with listening(tmp_path, sentinel.url(), durable) as listener:
-            load = asyncio.create_task(
-                send_all(
-                    listener.base_url, deliveries, concurrency=SENDERS, seconds=60, tally=tally
-                )
-            )
-            await reached(tally.acked_at_least(ACKED_BEFORE), load, timeout=60)
+        with listening(tmp_path, sentinel.url(), config_text(durable)) as listener:
+            load = await loaded(listener, deliveries, tally, acked=ACKED_BEFORE, seconds=60)
             with sentinel.client() as primary:
                 cut_off(primary, replicas)
             in_window = await window(tally)
@@ -173,16 +159,9 @@ async def test_sentinel_failover_under_load(
             promoted_s = await asyncio.to_thread(sentinel.wait_for_promotion, old.port)
             outcomes = await load
     assert sentinel.primary_port in {r.port for r in replicas}
-    v = judge(f"redis://:{PASSWORD}@127.0.0.1:{sentinel.primary_port}/0", events, outcomes)
-    recovery = first_2xx_sent_after([a for o in outcomes for a in o.attempts], t_kill)
-    report(
-        f"failover-sentinel durable={'yes' if durable else 'no'}",
-        v,
-        acked_in_window=in_window,
-        failover_s=promoted_s,
-        back_after_kill_s=recovery if recovery is not None else -1.0,
-    )
-    check(v, durable)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{sentinel.primary_port}/0"
+    conclude("sentinel", durable, url, events, outcomes, t_kill,
+             acked_in_window=in_window, failover_s=promoted_s)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- Cluster
@@ -200,13 +179,8 @@ async def test_cluster_failover_under_load(
     primary = cluster.primary_for_key(DEPLOY.runs())  # the workflow's one slot
     [replica] = cluster.replicas_of(primary)
     async with asyncio.timeout(150):
-        with listening(tmp_path, cluster.seeds_url, durable) as listener:
-            load = asyncio.create_task(
-                send_all(
-                    listener.base_url, deliveries, concurrency=SENDERS, seconds=60, tally=tally
-                )
-            )
-            await reached(tally.acked_at_least(ACKED_BEFORE), load, timeout=60)
+        with listening(tmp_path, cluster.seeds_url, config_text(durable)) as listener:
+            load = await loaded(listener, deliveries, tally, acked=ACKED_BEFORE, seconds=60)
             with primary.client() as client:
                 cut_off(client, [replica.server])
             in_window = await window(tally)
@@ -222,14 +196,6 @@ async def test_cluster_failover_under_load(
             revived_s = time.monotonic() - t_kill
             outcomes = await load
     assert promoted is replica
-    v = judge(f"redis://127.0.0.1:{replica.port}/0", events, outcomes)
-    recovery = first_2xx_sent_after([a for o in outcomes for a in o.attempts], t_kill)
-    report(
-        f"failover-cluster durable={'yes' if durable else 'no'}",
-        v,
-        acked_in_window=in_window,
-        failover_s=promoted_s,
-        revived_s=revived_s,
-        back_after_kill_s=recovery if recovery is not None else -1.0,
-    )
-    check(v, durable)
+    url = f"redis://127.0.0.1:{replica.port}/0"
+    conclude("cluster", durable, url, events, outcomes, t_kill,
+             acked_in_window=in_window, failover_s=promoted_s, revived_s=revived_s)  # fmt: skip

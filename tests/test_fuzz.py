@@ -32,8 +32,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.config import parse_config
-from gateway.errors import ConfigError
+from gateway.loading import parse_config
+from gateway.model.errors import ConfigError
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer
 from tests.signing import github_signature, standard_headers

@@ -27,8 +27,10 @@ import pytest
 import redis as redis_sync
 from starlette.datastructures import Headers
 
-from gateway.keys import Keys
-from gateway.verify import VerifySpec, parse_verify, verify
+from gateway.signatures.parse import parse_verify
+from gateway.signatures.spec import VerifySpec
+from gateway.signatures.verify import verify
+from gateway.store.keys import Keys
 from tests.listener import Listener, run_state_size
 from tests.servers import RedisServer
 from tests.signing import (

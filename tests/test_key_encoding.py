@@ -1,10 +1,11 @@
-"""Keys and event ids name one event only (issue #9, "Input integrity").
+"""Keys and event ids name one event only.
 
-A key template's values are encoded one by one (gateway/extract.py, README
-"Keys"): plain strings stay as they are, ``%`` and the template's separators are
-percent-encoded, and a JSON string that reads as a number or boolean is marked
-``%s``. These tests decode every rendered key back to the values it came from:
-a key that decodes to exactly its values cannot be shared by two different ones.
+A key template's values are encoded one by one (gateway/ingest/idempotency.py;
+docs/triggers.md, "Keys and event ids name one event"): plain strings stay as they are,
+``%`` and the template's separators are percent-encoded, and a JSON string that reads as
+a number or boolean is marked ``%s``. These tests decode every rendered key back to the
+values it came from: a key that decodes to exactly its values cannot be shared by two
+different ones.
 """
 
 from __future__ import annotations
@@ -25,23 +26,21 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 from starlette.datastructures import Headers
 
-from gateway.config import parse_config
-from gateway.delivery import handle
-from gateway.dryrun import dry_run
-from gateway.extract import (
-    FORM_LOOKS_LIKE_JSON,
+from gateway.ingest.body import FORM_LOOKS_LIKE_JSON, BodyError, parse_body
+from gateway.ingest.delivery import handle
+from gateway.ingest.dryrun import dry_run
+from gateway.ingest.idempotency import (
     VALIDATION_EVENT_ID,
-    BodyError,
     ExtractError,
     KeyTemplate,
     compile_event_id,
     compile_key,
-    compile_path,
-    parse_body,
 )
-from gateway.runs import MAX_KEY_BYTES
-from gateway.store import RunStore
-from gateway.triggers import Trigger
+from gateway.ingest.jsonpath import compile_path
+from gateway.ingest.triggers import Trigger
+from gateway.loading import parse_config
+from gateway.store.runs import MAX_KEY_BYTES
+from gateway.store.runstore import RunStore
 from tests.listener import Listener
 from tests.servers import RedisServer
 

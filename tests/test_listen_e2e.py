@@ -28,11 +28,11 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.embedded import socket_answers, socket_path_for
-from gateway.keys import Keys
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.link.embedded import socket_answers, socket_path_for
+from gateway.loading import parse_config
+from gateway.store.keys import Keys
+from gateway.store.runstore import RunStore
 from tests import signing
 from tests.listener import Listener, run_state_keys, run_state_size
 from tests.servers import RedisServer

@@ -1,30 +1,28 @@
 """The MCP tools, end to end: ``realm mcp`` (``python -m gateway mcp``) as a subprocess, driven
 over stdio by the ``mcp`` SDK's own client, against a private Redis.
 
-The replies are compared with the texts of DESIGN §4 and Realm's documentation
+The replies are compared with the reply texts of Realm's documentation
 (``reference/realm-start-runs-safely.txt``) character for character.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp import Client, ClientSession, StdioServerParameters, stdio_client
-from mcp.types import CallToolResult, TextContent
+from mcp import Client
+from mcp.types import TextContent
 from redis.asyncio import Redis
 
-from gateway.mcp_server import build_server
+from gateway.faces.mcp_tools import build_server
 from tests.conftest import WORKFLOWS_YAML
+from tests.mcp_client import UUID, mcp_session
 from tests.servers import RedisServer
 
-ROOT = Path(__file__).resolve().parents[1]
-UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 TOOLS = {
     "start_run",
     "start_run_batch",
@@ -41,40 +39,6 @@ TOOLS = {
 }
 
 
-class Tools:
-    """A connected client session; ``call`` returns the reply text and the error flag."""
-
-    def __init__(self, session: ClientSession) -> None:
-        self.session = session
-
-    async def call(self, name: str, **arguments: Any) -> tuple[str, bool]:
-        result = await self.session.call_tool(name, arguments)
-        assert isinstance(result, CallToolResult)
-        assert len(result.content) == 1
-        block = result.content[0]
-        assert isinstance(block, TextContent)
-        assert "Traceback" not in block.text
-        return block.text, bool(result.is_error)
-
-    async def ok(self, name: str, **arguments: Any) -> str:
-        text, is_error = await self.call(name, **arguments)
-        assert not is_error, text
-        return text
-
-    async def refused(self, name: str, **arguments: Any) -> str:
-        text, is_error = await self.call(name, **arguments)
-        assert is_error, text
-        assert text.startswith("status: error\n"), text
-        return text
-
-    async def start(self, **arguments: Any) -> str:
-        """Start (or match) a run; its id."""
-        text = await self.ok("start_run", **arguments)
-        found = re.search(rf"^run_id: ({UUID})$", text, re.M)
-        assert found, text
-        return found.group(1)
-
-
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "triggers.yaml"
@@ -85,23 +49,7 @@ def config_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def connect(config_file: Path, redis_server: RedisServer, redis: Redis) -> Callable[..., Any]:
     """Opens an MCP session with a fresh server process (on the flushed test Redis)."""
-
-    @asynccontextmanager
-    async def open_session(url: str | None = None) -> AsyncIterator[Tools]:
-        params = StdioServerParameters(
-            command=sys.executable,
-            args=["-m", "gateway", "mcp", "--config", str(config_file),
-                  "--redis-url", url or redis_server.url],
-            cwd=ROOT,
-        )  # fmt: skip
-        async with (
-            stdio_client(params) as (read, write),
-            ClientSession(read, write) as session,
-        ):
-            await session.initialize()
-            yield Tools(session)
-
-    return open_session
+    return lambda url=None: mcp_session(config_file, url or redis_server.url)
 
 
 async def test_lists_the_eight_tools_with_typed_arguments(connect: Callable[..., Any]) -> None:

@@ -5,100 +5,36 @@ mcp`` as a subprocess, driven by the ``mcp`` SDK's client, reading the log a rea
 from __future__ import annotations
 
 import re
-import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
-from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from gateway.deliveries import OUTCOMES, LogKeys
+from gateway.deliveries.log import OUTCOMES
+from tests import deliveries_scaffold
+from tests.deliveries_scaffold import CONFIG, DLV, SECRETS, UUID, WRONG_WHEN, github, sent
 from tests.listener import Listener
+from tests.mcp_client import mcp_session
 from tests.servers import RedisServer
-from tests.signing import github_headers
-from tests.test_mcp import ROOT, UUID, Tools
 
-GIT_SECRET = "git-secret-mcp-88d2"
-SECRETS = {"GIT_SECRET": GIT_SECRET}
-CONFIG = """
-version: 1
-workflows:
-  deploy: {steps: [build, release]}
-triggers:
-  push:
-    workflow: deploy
-    path: /hooks/git
-    verify: {scheme: github, secret_env: GIT_SECRET}
-    when: [{header: X-GitHub-Event, equals: push}]
-    event_id: {header: X-GitHub-Delivery}
-    params: {ref: $.ref}
-"""
-WRONG_WHEN = CONFIG.replace("equals: push}]", "equals: pushed}]")
-DLV = r"dlv-[0-9a-f]{12}-[0-9a-f]{8}"
-
-
-@pytest.fixture(scope="module")
-def listener(
-    module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Listener]:
-    started = Listener(
-        tmp_path_factory.mktemp("deliveries-mcp"), CONFIG, redis_url=module_redis.url, env=SECRETS
-    ).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def db(module_redis: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_redis.url)
-    client.flushall()
-    yield client
-    client.close()
+listener = deliveries_scaffold.listener
 
 
 @pytest.fixture
 def connect(module_redis: RedisServer, db: redis.Redis) -> Callable[..., Any]:
     """An MCP session of `realm mcp` on ``config`` (with the webhook secrets unless told)."""
-
-    @asynccontextmanager
-    async def open_session(config: Path, *, secrets: bool = True) -> AsyncIterator[Tools]:
-        params = StdioServerParameters(
-            command=sys.executable,
-            args=["-m", "gateway", "mcp", "--config", str(config),
-                  "--redis-url", module_redis.url],
-            cwd=ROOT,
-            env=SECRETS if secrets else {},
-        )  # fmt: skip
-        async with (
-            stdio_client(params) as (read, write),
-            ClientSession(read, write) as session,
-        ):
-            await session.initialize()
-            yield Tools(session)
-
-    return open_session
+    return lambda config, *, secrets=True: mcp_session(
+        config, module_redis.url, SECRETS if secrets else None
+    )
 
 
 def push(db: redis.Redis, base_url: str, event: str = "push", delivery: str = "d-1") -> str:
-    """One signed push, waited for in the log (the listener writes every 100 ms); its id."""
-    keys = LogKeys("realm")
-    before = db.zcard(keys.index) + db.zcard(keys.refused)
+    """One push (``event`` "unsigned": its signature wrong), waited for in the log; its id."""
     body = b'{"ref": "refs/heads/main"}'
-    headers = github_headers(body, GIT_SECRET, event=event, delivery=delivery, content_type=None)
-    if event == "unsigned":
-        headers["X-Hub-Signature-256"] = "sha256=00"
-    httpx.post(base_url + "/hooks/git", content=body, headers=headers, timeout=10)
-    deadline = time.monotonic() + 10
-    while db.zcard(keys.index) + db.zcard(keys.refused) == before:
-        assert time.monotonic() < deadline, "the delivery was not logged"
-        time.sleep(0.02)
-    newest = db.zrange(keys.index, 0, -1)[-1:] + db.zrange(keys.refused, 0, -1)[-1:]
-    return max(newest).decode()
+    bad = {"X-Hub-Signature-256": "sha256=00"} if event == "unsigned" else {}
+    return sent(db, lambda: github(base_url, body, event=event, delivery=delivery, **bad))[1]
 
 
 async def test_the_three_tools_are_listed_with_typed_arguments(

@@ -1,5 +1,5 @@
 """Soak: Redis memory follows the runs inside retention, not every run ever started
-(DESIGN §7, issue #9 item 6).
+(the retention rule of the Redis layout).
 
 A real `realm listen --workers 2` (whose workers sweep in the background) serves a
 workflow with a 1 s retention. For a few seconds runs are started, keyed through the
@@ -23,10 +23,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.keys import Keys
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.store.keys import Keys
+from gateway.store.runstore import RunStore
 from tests.listener import Listener
 from tests.servers import RedisServer
 

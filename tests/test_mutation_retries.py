@@ -1,6 +1,6 @@
 """Promise 2 for every mutation: a resend after a lost reply reports what the first
 attempt did; a batch is all-or-nothing and safe to retry; "not now" from Redis is
-StoreUnavailable (503), never a crash (issue #9, items 4, 5 and 11).
+StoreUnavailable (503), never a crash.
 
 Real servers of the tests' own; the lost reply is lost on the wire by tests/tcp_proxy.py
 after Redis committed the script.
@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis as redis_sync
 
-from gateway.config import Config
-from gateway.connection import redis_client
-from gateway.errors import RealmError, StoreUnavailable
-from gateway.runs import batch_run_id
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.model.config import Config
+from gateway.model.errors import RealmError, StoreUnavailable
+from gateway.store.runs import batch_run_id
+from gateway.store.runstore import RunStore
 from tests.servers import RedisServer
 from tests.tcp_proxy import TcpProxy
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import parse_config
-from gateway.errors import RealmError
-from gateway.paging import list_runs_across
-from gateway.store import RunStore
+from gateway.loading import parse_config
+from gateway.model.errors import RealmError
+from gateway.store.paging import list_runs_across
+from gateway.store.runstore import RunStore
 from tests.conftest import WORKFLOWS_YAML
 from tests.listener import Listener
 from tests.servers import RedisServer

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validators
 
-from gateway.config import parse_config
+from gateway.loading import parse_config
 
 SHIPPED = Path(__file__).resolve().parents[1] / "triggers.yaml"
 SCHEMAS = """

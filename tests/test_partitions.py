@@ -1,5 +1,5 @@
-"""Hot-workflow partitions (issue #10): `partitions: N` spreads a workflow's keys over N
-hash tags; every policy of DESIGN §3 holds unchanged, because one idempotency key
+"""Hot-workflow partitions: `partitions: N` spreads a workflow's keys over N
+hash tags; every policy on a repeated key holds unchanged, because one idempotency key
 always lives in one partition. Against a real Redis of the tests' own."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import Config, parse_config
-from gateway.errors import ConfigError, RealmError
-from gateway.keys import Keys, partition_of, partition_of_run
-from gateway.store import RunStore
-from gateway.sweep import sweep
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.model.errors import ConfigError, RealmError
+from gateway.store.keys import Keys, partition_of, partition_of_run
+from gateway.store.runstore import RunStore
+from gateway.store.sweep import sweep
 from tests.listener import Listener
 
 N = 4

@@ -1,4 +1,4 @@
-"""gateway/pipeline.py against real servers: the handshake, errors, and connection trouble.
+"""gateway/link/pipeline.py against real servers: the handshake, errors, and connection trouble.
 
 The listener's behaviour under faults (kill -9, SIGSTOP, lost replies) is in
 test_faults.py; these tests pin down the connection's own contract.
@@ -19,11 +19,11 @@ import redis as redis_sync
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
-from gateway.config import Config
-from gateway.connection import redis_client
-from gateway.errors import StoreUnavailable
-from gateway.pipeline import Pipeline
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.link.pipeline import Pipeline
+from gateway.model.config import Config
+from gateway.model.errors import StoreUnavailable
+from gateway.store.runstore import RunStore
 
 ECHO_FIRST_ARG = "return ARGV[1]"
 

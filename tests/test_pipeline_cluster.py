@@ -1,6 +1,6 @@
 """The listener's pipelined claims on a real Redis Cluster (3 primaries, 3 replicas).
 
-gateway/pipeline.py ClusterPipeline: each call goes to the primary owning its hash
+gateway/link/pipeline.py ClusterPipeline: each call goes to the primary owning its hash
 slot, follows MOVED (a slot moved: the map is refreshed) and ASK (a slot migrating:
 ASKING, then the call, on the target), and finds a killed primary's promoted replica.
 The last test runs a real ``realm listen`` under load while a workflow's slot migrates.
@@ -19,23 +19,23 @@ import pytest
 import redis as redis_sync
 from redis import exceptions as redis_errors
 
-from gateway.cluster_pipeline import ClusterPipeline
-from gateway.config import Durability
-from gateway.connection import redis_client
-from gateway.errors import StoreUnavailable
-from gateway.pipeline import Pipeline
-from gateway.scripts import Scripts
+from gateway.link.cluster_pipeline import ClusterPipeline, pipeline_for
+from gateway.link.connection import redis_client
+from gateway.model.config import Durability
+from gateway.model.errors import StoreUnavailable
+from gateway.store.scripts import Scripts
 from tests.cluster import Cluster, ClusterNode, key_slot
-from tests.senders import send_all
-from tests.test_faults import (
+from tests.exactly_once import (
     DEPLOY,
     assert_exactly_once,
     figures,
     judge,
     listening,
     make_events,
+    polled,
     redelivered,
 )
+from tests.senders import send_all
 
 # A script that counts in its one key and says which node ran it.
 INCR = "redis.call('INCR', KEYS[1]); return redis.call('GET', KEYS[1])"
@@ -55,7 +55,7 @@ async def pipeline(
     cluster: Cluster, cluster_db: redis_sync.RedisCluster
 ) -> AsyncIterator[tuple[ClusterPipeline, Scripts]]:
     client = redis_client(cluster.seeds_url, 5.0)
-    pipe = Pipeline.for_client(client, 5.0)
+    pipe = pipeline_for(client, 5.0)
     assert isinstance(pipe, ClusterPipeline)
     scripts = Scripts(client)
     scripts.incr = client.register_script(INCR)  # type: ignore[attr-defined]
@@ -96,7 +96,7 @@ async def test_a_moved_slot_is_followed_and_the_map_refreshed(
     assert await pipe.evalsha(scripts.incr, [key], []) == b"2"  # MOVED, then on `second`
     assert pipe.moved == 1
     assert second.call("GET", key) == "2"
-    await _until(lambda: pipe._slots[slot] == ("127.0.0.1", second.port), "the map names it")
+    await polled(lambda: pipe._slots[slot] == ("127.0.0.1", second.port), "the map names it")
     assert await pipe.evalsha(scripts.incr, [key], []) == b"3"
     assert pipe.moved == 1  # the map knew by then: no second redirection
 
@@ -157,8 +157,8 @@ async def test_durability_on_a_cluster_confirms_on_the_primarys_replica(
 ) -> None:
     _, scripts = pipeline
     client = redis_client(cluster.seeds_url, 5.0)
-    durable = Pipeline.for_client(client, 5.0, durability=Durability(replicas=1, timeout=1.0))
-    strict = Pipeline.for_client(client, 5.0, durability=Durability(replicas=2, timeout=0.05))
+    durable = pipeline_for(client, 5.0, durability=Durability(replicas=1, timeout=1.0))
+    strict = pipeline_for(client, 5.0, durability=Durability(replicas=2, timeout=0.05))
     assert durable is not None and strict is not None
     try:
         keys = [f"{{{tagged_on(cluster, n)}}}:n" for n in cluster.primaries()]
@@ -196,7 +196,7 @@ async def test_listener_exactly_once_while_the_workflows_slot_migrates(
                 load = asyncio.create_task(
                     send_all(listener.base_url, deliveries, concurrency=24, seconds=40)
                 )
-                await _until(lambda: _started(cluster_db) >= 100, "100 runs before the migration")
+                await polled(lambda: _started(cluster_db) >= 100, "100 runs before the migration")
                 # As valkey-cli's reshard does, in small batches while the load goes on:
                 # claims meet MIGRATING (TRYAGAIN while a claim's keys are split, ASK once
                 # they are all on the target), then the new owner (MOVED).
@@ -249,11 +249,3 @@ def _started(db: redis_sync.RedisCluster) -> int:
         return int(db.zcard(DEPLOY.runs()))
     except redis_sync.RedisError:
         return 0
-
-
-async def _until(check, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)

@@ -6,10 +6,10 @@ import asyncio
 import multiprocessing
 from multiprocessing.synchronize import Barrier
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.keys import Keys
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.store.keys import Keys
+from gateway.store.runstore import RunStore
 from tests.conftest import WORKFLOWS_YAML
 
 PROCESSES = 8

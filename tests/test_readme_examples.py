@@ -1,9 +1,18 @@
-"""The README's examples run as written against the shipped triggers.yaml (issue #9, 15).
+"""The README's and the docs' examples run as written against the shipped triggers.yaml.
 
-The shell blocks, the ``$ realm …`` commands and the Python block are taken from
-README.md itself and run against a real ``realm listen`` on the shipped config
-with its embedded server, in a copy of the repository's folder (port 8000 becomes
-a free port). The payloads of ``examples/`` must pass ``realm triggers test``.
+The ``sh`` blocks, the ``$ realm …`` commands and the ``python`` blocks are taken
+from README.md and docs/*.md themselves (in that order: README first, then the docs
+pages by name) and run against a real ``realm listen`` on the shipped config with its
+embedded server, in a copy of the repository's folder (port 8000 becomes a free
+port). All ``sh`` blocks run first, as one script, then every ``$ realm …`` command,
+then each ``python`` block, twice. So a block fenced as ``sh`` or ``python`` in any of
+these pages must run as written; syntax meant only to be read goes in an indented
+block. The payloads of ``examples/`` must pass ``realm triggers test``.
+
+The pages are also held to what a reader can follow: every relative link and anchor
+resolves, Python examples import only the public face (``from gateway import …``),
+and no page points at what is not in the repository (issue numbers, design-section
+numbers, commit hashes, work in progress).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -22,6 +32,7 @@ from tests.listener import Listener
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 SHIPPED = ROOT / "triggers.yaml"
 EXAMPLES = ROOT / "examples"
 # The secrets the README's first command gives `realm listen`.
@@ -33,13 +44,31 @@ SECRETS = {
 API_TOKEN = "readme-api-token-5f1e9a"
 
 
+def pages() -> list[Path]:
+    """The pages whose examples run: the README, then docs/ by name."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def every_page() -> list[Path]:
+    """Every page a reader may open: those above, and the other folders' READMEs."""
+    return [*pages(), ROOT / "bench" / "README.md", EXAMPLES / "README.md"]
+
+
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.M | re.S)
+    return [
+        block
+        for page in pages()
+        for block in re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), re.M | re.S)
+    ]
 
 
 def shown_commands() -> list[str]:
-    """The ``$ realm …`` commands of the README's sample sessions."""
-    return re.findall(r"^    \$ (realm .+)$", README.read_text(), re.M)
+    """The ``$ realm …`` commands of the pages' sample sessions."""
+    return [
+        command
+        for page in pages()
+        for command in re.findall(r"^    \$ (realm .+)$", page.read_text(), re.M)
+    ]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -109,8 +138,9 @@ def test_example_payloads_pass_triggers_test_with_the_shipped_config(
     assert all(not t["matched"] for t in others), others
 
 
-def test_the_readme_names_only_workflows_and_files_that_exist() -> None:
-    text = README.read_text()
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_pages_name_only_workflows_and_files_that_exist(page: Path) -> None:
+    text = page.read_text()
     shipped = SHIPPED.read_text()
     for workflow in re.findall(r"realm run (?:start|batch) ([\w-]+)", text):
         if workflow != "WORKFLOW":
@@ -119,12 +149,84 @@ def test_the_readme_names_only_workflows_and_files_that_exist() -> None:
         assert (EXAMPLES / name).is_file(), name
 
 
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to -."""
+    kept = (
+        c
+        for c in heading.strip().lower()
+        if c in " -" or unicodedata.category(c)[0] in "LMN" or unicodedata.category(c) == "Pc"
+    )
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+@pytest.mark.parametrize("page", every_page(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        where = (page.parent / path).resolve() if path else page
+        if not where.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+            broken.append(f"{target}: no heading with that anchor in {where.name}")
+    assert not broken, broken
+
+
+# What a reader cannot follow: numbers of issues and design sections, commit
+# hashes, documents outside the repository, and work in progress.
+ELSEWHERE = [
+    (r"(?<![\w{])#\d+\b", "an issue number"),
+    (r"\bissues? \d+", "an issue number"),
+    (r"§|\bDESIGN\b", "a design-section reference"),
+    (r"\.\./shared|perf-notes", "a file outside the repository"),
+    (r"\bcommit `?[0-9a-f]{7,40}\b", "a commit hash"),
+    (r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}`", "a commit hash"),
+    (r"\buncommitted\b|\bnot yet committed\b|\bthis session\b", "work in progress"),
+    (r"\bworking tree\b", "work in progress"),
+]
+
+
+@pytest.mark.parametrize("page", every_page(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_points_outside_the_repository(page: Path) -> None:
+    found = [
+        f"{page.name}:{number}: {what}: {line.strip()[:100]}"
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for pattern, what in ELSEWHERE
+        if re.search(pattern, line, re.I if what == "work in progress" else 0)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_python_examples_use_the_public_face() -> None:
+    python = blocks("python")
+    assert python, "the pages show Python examples"
+    for block in python:
+        for line in block.splitlines():
+            if re.match(r"\s*(from|import) gateway\b", line):
+                assert line.strip().startswith("from gateway import "), line
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (shutil.which("curl") and shutil.which("openssl") and shutil.which("bash")),
-    reason="the README's shell examples use bash, curl and openssl",
+    reason="the pages' shell examples use bash, curl and openssl",
 )
-def test_every_readme_example_runs_against_a_listener_on_the_shipped_config(
+def test_every_example_runs_against_a_listener_on_the_shipped_config(
     tmp_path: Path,
 ) -> None:
     work = copy_of_repo(tmp_path)
@@ -155,7 +257,7 @@ def test_every_readme_example_runs_against_a_listener_on_the_shipped_config(
         assert "signature: ok" in shell.stdout and "would start a new run" in shell.stdout
 
         commands = shown_commands()
-        assert commands, "the README shows `$ realm …` sessions"
+        assert commands, "the pages show `$ realm …` sessions"
         for command in commands:
             out = subprocess.run(
                 ["bash", "-c", command], cwd=work, env=env,

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
-from gateway.connection import redis_client
-from gateway.keys import Keys
-from gateway.reconcile import reconcile
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.store.keys import Keys
+from gateway.store.reconcile import reconcile
+from gateway.store.runstore import RunStore
 from tests.tcp_proxy import TcpProxy, _Pending, parse_command, resp_end
 
 KEYS = Keys("realm", "sync")
@@ -107,7 +107,7 @@ async def test_a_repair_decides_from_the_set_as_it_is_not_as_it_was_read(
 
 
 async def test_a_repair_never_points_a_key_back_at_a_superseded_run(store: RunStore, redis: Redis):
-    # The defect of issue #9 item 2: the pointer still holds what the walk read (the
+    # The defect this guards against: the pointer still holds what the walk read (the
     # compare-and-set of old passed), but the walk's idea of the newest run was older.
     first = await store.start_run("sync", {}, "k")
     second = await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
@@ -255,7 +255,7 @@ async def test_repair_racing_many_starts_leaves_every_key_at_its_newest_run(
 class StartBetween(TcpProxy):
     """A proxy that, once, runs a start between two commands of one pipeline: after
     Redis has answered the command ``after`` (so it ran), and before the commands
-    that follow it reach Redis. The race of issue #9 item 2, made deterministic."""
+    that follow it reach Redis. The race, made deterministic."""
 
     after: list[bytes] | None = None
     between: Callable[[], Awaitable[None]] | None = None
@@ -345,7 +345,7 @@ async def test_a_start_between_the_walks_reads_keeps_its_pointer_and_one_live_ru
     ]
 
 
-# -- the key index (issue #13): a walk reads its workflow's keys, not the keyspace ----------
+# -- the key index: a walk reads its workflow's keys, not the keyspace ----------
 
 PARTITIONED = """
 version: 1
@@ -393,7 +393,7 @@ async def test_every_claim_that_writes_a_pointer_indexes_its_key_at_the_claims_t
 
 
 async def test_a_partitioned_workflow_indexes_each_key_in_its_partition(redis: Redis):
-    from gateway.config import parse_config
+    from gateway.loading import parse_config
 
     hot = RunStore(redis, parse_config(PARTITIONED, with_triggers=False), timeout=5.0)
     names = [f"key-{i}" for i in range(20)]
@@ -413,7 +413,7 @@ async def test_a_partitioned_workflow_indexes_each_key_in_its_partition(redis: R
 async def test_reconcile_of_one_workflow_reads_its_own_keys_and_no_other(
     store: RunStore, redis: Redis
 ):
-    """Issue #13: the walk read the whole keyspace (SCAN MATCH) once per workflow."""
+    """Before the key index, the walk read the whole keyspace (SCAN MATCH) once per workflow."""
     ids = [(await store.start_run("sync", {}, f"s{i}")).run_id for i in range(3)]
     await redis.delete(KEYS.pointer("s1"))
     items = [{"params": {"repo": "o/r", "sha": f"{i:07x}"}, "idempotency_key": f"d{i}"}

@@ -32,12 +32,12 @@ from multiprocessing.synchronize import Barrier
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.errors import StoreUnavailable
-from gateway.keys import Keys
-from gateway.reconcile import reconcile
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.errors import StoreUnavailable
+from gateway.store.keys import Keys
+from gateway.store.reconcile import reconcile
+from gateway.store.runstore import RunStore
 
 STARTERS = 3
 # Long keys (the limit is 1 KiB): a walk's reads span several 16 KiB chunks.

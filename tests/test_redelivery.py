@@ -2,7 +2,7 @@
 
 A fixed or templated key is shared by *different* events on purpose; its policies
 (cancel_existing, rerun, fail) decide between them. The same event delivered again
-must get the run it got the first time, whatever those policies say (issue #9, 1).
+must get the run it got the first time, whatever those policies say.
 These tests drive the store's claim with the markers the listener passes, against a
 real Redis; tests at the end run a real `realm listen` on the shipped triggers.yaml.
 """
@@ -20,10 +20,10 @@ import httpx
 import pytest
 import yaml
 
-from gateway.errors import ConfigError, RealmError
-from gateway.runs import LIVE_MATCH, TERMINAL_MATCH
-from gateway.store import RunStore
-from gateway.triggers import parse_triggers
+from gateway.ingest.triggers import parse_triggers
+from gateway.model.errors import ConfigError, RealmError
+from gateway.store.runs import LIVE_MATCH, TERMINAL_MATCH
+from gateway.store.runstore import RunStore
 from tests.listener import Listener
 from tests.servers import RedisServer
 from tests.signing import github_headers

@@ -1,5 +1,5 @@
-"""gateway/reply_errors.py: a real server's error replies, read by the listener's own
-connection, become the redis-py classes the store catches (issue #13: no private
+"""gateway/link/reply_errors.py: a real server's error replies, read by the listener's own
+connection, become the redis-py classes the store catches (no private
 import of redis-py's parser)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import redis as redis_sync
 from redis import exceptions as redis_errors
 
-from gateway.pipeline import Pipeline
-from gateway.reply_errors import error_of
+from gateway.link.pipeline import Pipeline
+from gateway.link.reply_errors import error_of
 
 
 def pipeline_to(port: int) -> Pipeline:

@@ -1,8 +1,8 @@
-"""RequestHeaders: the webhook path's header look-ups (gateway/webhooks.py)."""
+"""RequestHeaders: the webhook path's header look-ups (gateway/ingest/webhooks.py)."""
 
 from __future__ import annotations
 
-from gateway.webhooks import RequestHeaders
+from gateway.ingest.webhooks import RequestHeaders
 
 RAW = [(b"content-type", b"application/json"), (b"x-hub-signature-256", b"sha256=ab")]
 

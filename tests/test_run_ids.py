@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from gateway.runs import new_run_id
+from gateway.store.runs import new_run_id
 
 
 def test_run_ids_are_distinct_version_4_uuids() -> None:

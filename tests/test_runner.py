@@ -1,5 +1,5 @@
-"""The in-process Runner and the handlers of triggers.yaml (gateway/runner.py,
-gateway/handlers.py), against a real Redis server (issue #11, Running handlers)."""
+"""The in-process Runner and the handlers of triggers.yaml (gateway/runners/runner.py,
+gateway/runners/handlers.py), against a real Redis server."""
 
 from __future__ import annotations
 
@@ -16,20 +16,21 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.errors import ConfigError
-from gateway.handlers import (
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.errors import ConfigError
+from gateway.runners.handlers import (
     CommandHandler,
     HandlerFailed,
     build_handlers,
     parse_handlers,
     run_command,
 )
-from gateway.runner import Runner, StepOutcome
-from gateway.runs import TakenStep
-from gateway.store import RunStore
-from gateway.verify import VerifySpec, verify
+from gateway.runners.runner import Runner, StepOutcome
+from gateway.signatures.spec import VerifySpec
+from gateway.signatures.verify import verify
+from gateway.store.runs import TakenStep
+from gateway.store.runstore import RunStore
 
 YAML = """
 version: 1
@@ -392,7 +393,7 @@ async def test_the_runner_runs_a_command_handler_from_triggers_yaml(
 
 class Receiver:
     """A small HTTP server of the test's own: verifies each request's Standard Webhooks
-    signature with gateway.verify and answers the status its path names."""
+    signature with gateway.signatures.verify and answers the status its path names."""
 
     def __init__(self) -> None:
         self.spec = VerifySpec(scheme="standard", secret_env=("S",), secrets=(SECRET,))

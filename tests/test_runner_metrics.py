@@ -1,5 +1,5 @@
 """Metrics of the consumer side: the listener's step-stream gauges, read from a real
-Redis at scrape time (gateway.metrics.queue_text), and a runner's own counters
+Redis at scrape time (gateway.serving.metrics.queue_text), and a runner's own counters
 (step_done, lease_expired) served over HTTP as ``realm work --metrics-port`` does."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway import metrics
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.store import RUNNERS_GROUP, RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.runners import metrics
+from gateway.serving import metrics as listener_metrics
+from gateway.store.runstore import RunStore
+from gateway.store.steps import RUNNERS_GROUP
 from tests.conftest import WORKFLOWS_YAML
 from tests.servers import free_port
 
@@ -38,12 +40,12 @@ def sample(text: str, name: str, **labels: str) -> float:
     return float(found.group(1))
 
 
-async def gauges(store: RunStore, timeout: float = metrics.QUEUE_TIMEOUT) -> str:
-    return (await metrics.queue_text(store, timeout)).decode()
+async def gauges(store: RunStore, timeout: float = listener_metrics.QUEUE_TIMEOUT) -> str:
+    return (await listener_metrics.queue_text(store, timeout)).decode()
 
 
 def test_the_group_is_the_stores() -> None:
-    assert metrics.GROUP == RUNNERS_GROUP
+    assert listener_metrics.GROUP == RUNNERS_GROUP
 
 
 async def test_waiting_and_taken_steps_and_the_oldest_age(store: RunStore, redis: Redis) -> None:

@@ -1,4 +1,4 @@
-"""Runners against real processes on loopback (issue #11, "Proof").
+"""Runners against real processes on loopback.
 
 Each runner is a process of its own (tests/runner_worker.py) that loops take_steps →
 handler effect → complete_step on the store's runner API, with several tasks, and
@@ -41,10 +41,11 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from gateway.config import Config, parse_config
-from gateway.connection import redis_client
-from gateway.store import RunStore
-from gateway.sweep import sweep
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.store.runstore import RunStore
+from gateway.store.sweep import sweep
 from tests.sentinel import SentinelDeployment
 from tests.servers import RedisServer
 
@@ -110,7 +111,7 @@ class Runners:
         release: Path | None = None,
         runner: bool = False,
     ) -> subprocess.Popen[bytes]:
-        """``runner``: the product's Runner (gateway/runner.py) drives the handler,
+        """``runner``: the product's Runner (gateway/runners/runner.py) drives the handler,
         instead of the worker's own take/complete loop on the store."""
         cmd = [sys.executable, str(WORKER), "--redis-url", self.url, "--config",
                str(self.config), "--workflow", workflow, "--name", name,

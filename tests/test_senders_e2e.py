@@ -3,7 +3,7 @@ per new scheme (`slack`, `shopify`, `gitlab`, `hmac` with a timestamp) and a `st
 trigger fed Svix's header names, real HTTP, a real redis-server.
 
 Deliveries are signed as each sender documents it, by tests/signing.py (not by
-gateway.verify.sign, the signer of the code under test); each must start exactly one
+gateway.signatures.sign.sign, the signer of the code under test); each must start exactly one
 run (202), and each forged one must be answered 401 with the exact reason, writing
 nothing.
 """
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.keys import Keys
+from gateway.store.keys import Keys
 from tests.listener import Listener
 from tests.servers import RedisServer
 from tests.signing import hmac_hex, shopify_headers, slack_headers, standard_headers

@@ -18,15 +18,15 @@ import pytest
 import redis as redis_sync
 from redis import exceptions as redis_errors
 
-from gateway.connection import BadRedisUrl, check_redis_url, redact_url
-from gateway.sentinel import FollowingPipeline, SentinelUrl, parse_sentinel_url
+from gateway.link.connection import BadRedisUrl, check_redis_url, redact_url
+from gateway.link.sentinel import FollowingPipeline, SentinelUrl, parse_sentinel_url
 from tests.conftest import WORKFLOWS_YAML
+from tests.exactly_once import CONFIG as HOOK_CONFIG
+from tests.exactly_once import ENV as HOOK_ENV
+from tests.exactly_once import make_events
 from tests.listener import Listener
 from tests.sentinel import PASSWORD, SENTINEL_PASSWORD, SentinelDeployment
 from tests.test_cli import UUID, realm
-from tests.test_faults import CONFIG as HOOK_CONFIG
-from tests.test_faults import ENV as HOOK_ENV
-from tests.test_faults import make_events
 
 TOKEN = "sentinel-api-token-51d0c3"
 

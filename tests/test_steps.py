@@ -1,4 +1,4 @@
-"""Runners' steps in the store (issue #11): taken under a lease, completed or failed
+"""Runners' steps in the store: taken under a lease, completed or failed
 once, retried with backoff, never handed out for a run that ended. Real Redis."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import Config, parse_config
-from gateway.errors import RealmError
-from gateway.keys import Keys
-from gateway.store import RUNNERS_GROUP, RunStore
-from gateway.sweep import sweep
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.model.errors import RealmError
+from gateway.store.keys import Keys
+from gateway.store.runstore import RunStore
+from gateway.store.steps import RUNNERS_GROUP
+from gateway.store.sweep import sweep
 
 YAML = """
 version: 1

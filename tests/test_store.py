@@ -1,4 +1,5 @@
-"""The run store against a real server: every cell of DESIGN §3, races, NOSCRIPT, retention."""
+"""The run store against a real server: every cell of the policy table, races, NOSCRIPT,
+retention."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import Config
-from gateway.deliveries import Received, list_deliveries, write_records
-from gateway.delivery import error_reply
-from gateway.errors import RealmError
-from gateway.keys import Keys
-from gateway.reconcile import reconcile
-from gateway.scripts import SCRIPT_NAMES
-from gateway.store import RunStore
-from gateway.sweep import sweep
+from gateway.deliveries.log import Received, list_deliveries, write_records
+from gateway.ingest.delivery import error_reply
+from gateway.model.config import Config
+from gateway.model.errors import RealmError
+from gateway.store.keys import Keys
+from gateway.store.reconcile import reconcile
+from gateway.store.runstore import RunStore
+from gateway.store.scripts import SCRIPT_NAMES
+from gateway.store.sweep import sweep
 
 KEYS = Keys("realm", "sync")
 
@@ -331,7 +332,7 @@ async def test_unknown_workflow_and_run(store: RunStore):
 async def test_50_concurrent_identical_starts_make_exactly_one_run(
     redis_server, config: Config, redis: Redis
 ):
-    from gateway.connection import redis_client
+    from gateway.link.connection import redis_client
 
     # A pool of real connections, so the 50 calls truly overlap at the server.
     client = redis_client(redis_server.url, 5.0)
@@ -471,7 +472,7 @@ class _Spy:
 
 @pytest.fixture
 async def pipelined(redis_server, config: Config):
-    from gateway.connection import redis_client
+    from gateway.link.connection import redis_client
 
     client = redis_client(redis_server.url, 5.0)
     store = RunStore(client, config, timeout=10, pipelined=True)

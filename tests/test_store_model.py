@@ -1,5 +1,5 @@
 """Property-based: random starts, repeats, cancels, steps, fails and reruns with random
-policies, checked after every step against a small in-memory model of DESIGN §3.
+policies, checked after every step against a small in-memory model of the policy table.
 Reconcile walks (dry or repairing) run between steps and concurrently with starts:
 on a consistent store they never change which run a key points at."""
 
@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gateway.config import parse_config
-from gateway.connection import redis_client
-from gateway.errors import RealmError
-from gateway.keys import Keys
-from gateway.policy import KeyState, decide
-from gateway.reconcile import ReconcileReport, reconcile
-from gateway.runs import LIVE_MATCH, TERMINAL_MATCH, fingerprint_of
-from gateway.store import RunStore
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.errors import RealmError
+from gateway.store.keys import Keys
+from gateway.store.policy import KeyState, decide
+from gateway.store.reconcile import ReconcileReport, reconcile
+from gateway.store.runs import LIVE_MATCH, TERMINAL_MATCH, fingerprint_of
+from gateway.store.runstore import RunStore
 from tests.conftest import WORKFLOWS_YAML
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The sweep (gateway/sweep.py, sweep.lua) against a real server: expired runs leave the
+"""The sweep (gateway/store/sweep.py, sweep.lua) against a real server: expired runs leave the
 index, live ones never do, the stream is trimmed by age back to empty, work per call
 is bounded, replicas share one walk, and the background loop never crashes."""
 
@@ -12,11 +12,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from gateway.config import Config, parse_config
-from gateway.connection import redis_client
-from gateway.errors import ConfigError, StoreUnavailable
-from gateway.store import RunStore
-from gateway.sweep import INDEX_CHUNK, Sweeper, sweep
+from gateway.link.connection import redis_client
+from gateway.loading import parse_config
+from gateway.model.config import Config
+from gateway.model.errors import ConfigError, StoreUnavailable
+from gateway.store.runstore import RunStore
+from gateway.store.sweep import INDEX_CHUNK, Sweeper, sweep
 from tests.servers import free_port
 
 YAML = """

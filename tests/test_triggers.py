@@ -1,4 +1,4 @@
-"""gateway.triggers: the `triggers:` section → compiled Triggers. Pure: no Redis."""
+"""gateway.ingest.triggers: the `triggers:` section → compiled Triggers. Pure: no Redis."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 import yaml
 from starlette.datastructures import Headers
 
-from gateway.errors import ConfigError
-from gateway.extract import VALIDATION_EVENT_ID, ExtractError, parse_body
-from gateway.triggers import Extracted, Trigger, describe_event_id, parse_triggers
+from gateway.ingest.body import parse_body
+from gateway.ingest.idempotency import VALIDATION_EVENT_ID, ExtractError
+from gateway.ingest.triggers import Extracted, Trigger, describe_event_id, parse_triggers
+from gateway.model.errors import ConfigError
 
 # Payloads kept with the tests (tests/payloads/README.md says where from).
 PAYLOADS = Path(__file__).resolve().parent / "payloads"

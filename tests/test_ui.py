@@ -14,53 +14,22 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from gateway.config import RESERVED_PATHS, parse_config
-from gateway.errors import ConfigError
-from gateway.ui.auth import SESSION_SECONDS, UiAuth
-from gateway.ui.routes import SECURITY_HEADERS
+from gateway.faces.ui.auth import SESSION_SECONDS, UiAuth
+from gateway.faces.ui.routes import SECURITY_HEADERS
+from gateway.loading import parse_config
+from gateway.model.config import RESERVED_PATHS
+from gateway.model.errors import ConfigError
+from tests import inspector_scaffold
 from tests.conftest import WORKFLOWS_YAML
+from tests.inspector_scaffold import CONFIG, ENV, HOOK_SECRET, TOKEN, send
 from tests.listener import Listener
 from tests.servers import RedisServer
 
-TOKEN = "ui-test-token-5d1c9e"
-HOOK_SECRET = "hook-secret-77ab"
-CONFIG = (
-    WORKFLOWS_YAML
-    + """
-triggers:
-  hook:
-    workflow: sync
-    path: /hooks/plain
-    verify: {scheme: token, header: X-Token, secret_env: HOOK_TOKEN}
-    event_id: {header: X-Event-Id}
-  hook-deploys:
-    workflow: single
-    path: /hooks/plain
-    verify: {scheme: token, header: X-Token, secret_env: HOOK_TOKEN}
-    when: [{jsonpath: $.kind, equals: deploy}]
-    event_id: {header: X-Event-Id}
-  other:
-    workflow: sync
-    path: /hooks/other
-    verify: {scheme: token, header: X-Token, secret_env: HOOK_TOKEN}
-    event_id: {jsonpath: $.id}
-"""
-)
-ENV = {"REALM_API_TOKEN": TOKEN, "HOOK_TOKEN": HOOK_SECRET}
+gateway = inspector_scaffold.gateway
+api = inspector_scaffold.api
 HOSTILE = "<script>alert(1)</script>"
 DELIVERY_LINK = re.compile(r'href="/ui/deliveries/(dlv-[0-9a-f]{12}-[0-9a-f]{8})"')
 CSRF = re.compile(r'name="csrf" value="([0-9a-f]{64})"')
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Listener]:
-    listener = Listener(
-        tmp_path_factory.mktemp("ui"), CONFIG, redis_url=module_redis.url, env=ENV
-    ).start()
-    yield listener
-    listener.stop()
 
 
 @pytest.fixture
@@ -71,39 +40,9 @@ def ui(gateway: Listener, db: redis_sync.Redis) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture
-def api(gateway: Listener) -> Iterator[httpx.Client]:
-    with httpx.Client(
-        base_url=gateway.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-    ) as client:
-        yield client
-
-
 def login(client: httpx.Client) -> None:
     reply = client.post("/ui/login", data={"token": TOKEN, "next": "/ui"})
     assert (reply.status_code, reply.headers["location"]) == (303, "/ui")
-
-
-def send(
-    client: httpx.Client,
-    event_id: str,
-    body: dict[str, object],
-    *,
-    path: str = "/hooks/plain",
-    secret: str = HOOK_SECRET,
-    headers: dict[str, str] | None = None,
-) -> httpx.Response:
-    """One webhook delivery, as a sender would post it."""
-    return client.post(
-        path,
-        content=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "X-Token": secret,
-            "X-Event-Id": event_id,
-            **(headers or {}),
-        },
-    )
 
 
 def delivery_ids(client: httpx.Client, count: int, query: str = "") -> list[str]:

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import redis as redis_sync
 
+from tests import inspector_scaffold
+from tests.inspector_scaffold import TOKEN, send
 from tests.listener import Listener
-from tests.servers import RedisServer
-from tests.test_ui import CONFIG, ENV, TOKEN, send
 
 webdriver = pytest.importorskip(
     "selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')"
@@ -48,17 +48,8 @@ ARTIFACTS = Path(os.environ.get("REALM_TEST_ARTIFACTS", ROOT / "test-artifacts")
 DOCS_SCREENSHOT = ROOT / "docs" / "inspector.png"
 DESKTOP = (1280, 900)
 PHONE = (390, 844)  # an iPhone 12-15's CSS pixels
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    module_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Listener]:
-    listener = Listener(
-        tmp_path_factory.mktemp("ui-browser"), CONFIG, redis_url=module_redis.url, env=ENV
-    ).start()
-    yield listener
-    listener.stop()
+gateway = inspector_scaffold.gateway
+api = inspector_scaffold.api
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +92,6 @@ def page(driver: Any, gateway: Listener, db: redis_sync.Redis) -> Iterator[Any]:
 @pytest.fixture
 def hooks(gateway: Listener) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.base_url, timeout=10) as client:
-        yield client
-
-
-@pytest.fixture
-def api(gateway: Listener) -> Iterator[httpx.Client]:
-    with httpx.Client(
-        base_url=gateway.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-    ) as client:
         yield client
 
 

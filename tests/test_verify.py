@@ -1,4 +1,4 @@
-"""Signature schemes (gateway/verify.py): fixture vectors, official values, round trips,
+"""Signature schemes (gateway/signatures/): fixture vectors, official values, round trips,
 rotation, hostile headers and config errors. Pure: no Redis, no network."""
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 from starlette.datastructures import Headers
 
-from gateway.errors import ConfigError
-from gateway.verify import VerifySpec, describe, parse_verify, sign, verify
+from gateway.model.errors import ConfigError
+from gateway.signatures.parse import parse_verify
+from gateway.signatures.sign import sign
+from gateway.signatures.spec import VerifySpec, describe
+from gateway.signatures.verify import verify
 
 # Payloads and vectors kept with the tests (tests/payloads/README.md says where from).
 PAYLOADS = Path(__file__).resolve().parent / "payloads"

@@ -1,6 +1,6 @@
 """The `slack`, `shopify` and `gitlab` presets, Svix's header names for `standard`, and
-the timestamp option of `hmac` (gateway/verify.py), against the senders' published
-examples; and each scheme's replay-guard default (gateway/triggers.py). Pure: no Redis.
+the timestamp option of `hmac` (gateway/signatures/), against the senders' published
+examples; and each scheme's replay-guard default (gateway/ingest/triggers.py). Pure: no Redis.
 
 Published values are copied here (the tests read nothing outside the repository):
 
@@ -30,12 +30,15 @@ import pytest
 import yaml
 from starlette.datastructures import Headers
 
-from gateway.errors import ConfigError
-from gateway.triggers import parse_triggers
-from gateway.verify import VerifySpec, describe, parse_verify, sign, verify
+from gateway.ingest.triggers import parse_triggers
+from gateway.model.errors import ConfigError
+from gateway.signatures.parse import parse_verify
+from gateway.signatures.sign import sign
+from gateway.signatures.spec import VerifySpec, describe
+from gateway.signatures.verify import verify
 
 FILE = "triggers.yaml"
-README = Path(__file__).resolve().parents[1] / "README.md"
+TRIGGERS_DOC = Path(__file__).resolve().parents[1] / "docs" / "triggers.md"
 
 # --- Slack's published example.
 SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
@@ -594,11 +597,11 @@ def test_replay_guard_is_refused_for_slack() -> None:
     )
 
 
-# --------------------------------------------------------------------------- README
+# --------------------------------------------------------------------------- docs
 
 
-def test_readme_more_senders_examples_parse() -> None:
-    text = README.read_text()
+def test_the_docs_more_senders_examples_parse() -> None:
+    text = TRIGGERS_DOC.read_text()
     part = text[text.index("**More senders.**") :]
     part = part[: part.index("`secret_env` names one variable")]
     examples = re.findall(r"^```yaml\n(.*?)^```", part, re.M | re.S)
@@ -613,7 +616,7 @@ def test_readme_more_senders_examples_parse() -> None:
         "ACME_SECRET": "s",
     }
     workflows = ("notify", "fulfil", "deploy", "sync")
-    parsed = parse_triggers(triggers, file="README.md", workflows=workflows, env=env)
+    parsed = parse_triggers(triggers, file="docs/triggers.md", workflows=workflows, env=env)
     assert {name: describe(t.verify) for name, t in parsed.items()} == {
         "slack-command": "slack",
         "shopify-orders": "shopify",

@@ -1,5 +1,5 @@
 """`realm work` as a real process: handlers from triggers.yaml, SIGTERM, and a webhook
-that becomes a run whose steps a runner does (issue #11, Running handlers)."""
+that becomes a run whose steps a runner does."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The ``realm`` command line, one module per command group."""

@@ -1,0 +1,458 @@
+"""The ``triggers:`` part of ``triggers.yaml`` → compiled, frozen ``Trigger``s.
+
+Every error is a ``ConfigError`` naming the file, the trigger and the dotted
+field (``when[0].matches``, ``params.sha``); YAML of the wrong shape is an
+error like any other, never a TypeError. The request path then only calls
+``Trigger.match`` and ``Trigger.extract``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import NoReturn
+
+from gateway.ingest.body import BodyError, FormFields, parse_body
+from gateway.ingest.conditions import TESTS, Condition, compile_condition
+from gateway.ingest.idempotency import (
+    MISSING,
+    VALIDATION_EVENT_ID,
+    EventIdSource,
+    ExtractError,
+    InexactNumber,
+    KeyTemplate,
+    compile_event_id,
+    compile_key,
+)
+from gateway.ingest.jsonpath import Path, compile_path
+from gateway.ingest.params import ParamError, ParamsSpec, compile_params
+from gateway.ingest.values import HeaderLookup
+from gateway.model.errors import ConfigError
+from gateway.signatures.parse import parse_verify
+from gateway.signatures.schemes import is_header_name
+from gateway.signatures.spec import VerifySpec
+
+__all__ = [
+    "ON_LIVE_MATCH",
+    "ON_PARAMS_MISMATCH",
+    "ON_TERMINAL_MATCH",
+    "Extracted",
+    "Trigger",
+    "describe_event_id",
+    "parse_triggers",
+]
+
+# The policies on a repeated key; the first value of each is the default.
+ON_LIVE_MATCH = ("use_existing", "fail", "cancel_existing")
+ON_TERMINAL_MATCH = ("reuse", "reject", "rerun_if_failed", "rerun")
+ON_PARAMS_MISMATCH = ("flag", "reject")
+
+FIELDS = (
+    "workflow",
+    "path",
+    "verify",
+    "when",
+    "event_id",
+    "key",
+    "params",
+    "on_live_match",
+    "on_terminal_match",
+    "on_params_mismatch",
+    "replay_guard",
+)
+_REQUIRED = ("workflow", "path", "verify", "event_id")
+_SOURCES = ("header", "jsonpath")
+_EVENT_ID_FIELDS = (*_SOURCES, "missing")
+# Characters that would make a path mean something else to Starlette's router
+# (`{name}` is a path parameter) or to an HTTP client (query, fragment).
+_PATH_FORBIDDEN = frozenset("{}?# \t\r\n")
+_DEFAULT_KEY = "{event_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Extracted:
+    """What a matched delivery yields for the claim."""
+
+    event_id: str
+    key: str
+    params: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One compiled trigger. Field meanings: docs/triggers.md."""
+
+    name: str
+    workflow: str
+    path: str
+    verify: VerifySpec
+    when: tuple[Condition, ...]
+    event_id: EventIdSource
+    key: KeyTemplate
+    params: ParamsSpec
+    on_live_match: str = ON_LIVE_MATCH[0]
+    on_terminal_match: str = ON_TERMINAL_MATCH[0]
+    on_params_mismatch: str = ON_PARAMS_MISMATCH[0]
+    # Deduplicate a verified body seen again under another event id (docs/triggers.md).
+    replay_guard: bool = False
+
+    def match(self, headers: HeaderLookup, doc: object) -> str | None:
+        """None when every ``when`` condition holds, else the first failing reason."""
+        if isinstance(doc, FormFields) and doc.json_hint and self.reads_json:
+            # JSON sent as a form (`curl -d`): every JSONPath would find nothing,
+            # and the reason should say why rather than name one of them.
+            return doc.json_hint
+        for condition in self.when:
+            reason = condition.check(headers, doc)
+            if reason is not None:
+                return reason
+        return None
+
+    def extract(self, headers: HeaderLookup, doc: object, body: bytes) -> Extracted:
+        """Event id, key and params. Raises ExtractError (VALIDATION_EVENT_ID)."""
+        try:
+            event_id = self.event_id.resolve(headers, doc, body)
+            key = self.key.render(headers, doc, event_id)
+        except InexactNumber:
+            # An integer beyond 64 bits, rounded by the fast parse, would let two
+            # neighbouring ids share a key: read the body again, exactly (rare).
+            try:
+                exact = parse_body(body, headers.get("content-type"), exact=True)
+            except BodyError as exc:
+                raise ExtractError(VALIDATION_EVENT_ID, str(exc)) from None
+            event_id = self.event_id.resolve(headers, exact, body, exact=True)
+            key = self.key.render(headers, exact, event_id, exact=True)
+        return Extracted(event_id=event_id, key=key, params=self.params.extract(headers, doc))
+
+    @functools.cached_property
+    def reads_json(self) -> bool:
+        """Whether any part of this trigger reads the body with a JSONPath."""
+        return any(True for _ in self._paths())
+
+    def _paths(self) -> Iterator[Path]:
+        yield from (c.path for c in self.when if c.path is not None)
+        if self.event_id.path is not None:
+            yield self.event_id.path
+        yield from (ref for kind, _, ref, _ in self.key.parts if kind == "path")  # type: ignore[misc]
+        yield from (src for _, kind, src in self.params.entries if kind == "path")  # type: ignore[misc]
+
+
+def describe_event_id(t: Trigger) -> str:
+    """E.g. ``header X-GitHub-Delivery`` or ``jsonpath $.id (else content hash)``."""
+    return t.event_id.describe()
+
+
+def parse_triggers(
+    raw: object, *, file: str, workflows: Collection[str], env: Mapping[str, str]
+) -> dict[str, Trigger]:
+    """Compile the YAML value under ``triggers:``. Raises ConfigError on the first
+    problem, except missing secrets: those are listed all at once, at the end."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            file,
+            f"must be a mapping of trigger name → trigger, not {_kind(raw)}",
+            section="triggers",
+        )
+    triggers: dict[str, Trigger] = {}
+    secrets = _SecretsSeen(env)
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(
+                file, f"trigger name {name!r} must be a non-empty string", section="triggers"
+            )
+        secrets.trigger = name
+        triggers[name] = _TriggerParser(file, name, workflows, secrets).parse(spec)
+    secrets.raise_missing(file)
+    return triggers
+
+
+class _SecretsSeen(Mapping[str, str]):
+    """The environment as ``parse_verify`` sees it, noting every unset or empty
+    variable (and who needs it) rather than stopping at the first: one run of
+    ``realm triggers check`` then lists every secret still to set."""
+
+    # Stands in for a missing secret so the rest of the file is still checked; a
+    # Standard Webhooks secret, so that scheme's format check passes too. Never
+    # used to verify anything: raise_missing refuses the file first.
+    _STAND_IN = "whsec_c3RhbmQtaW4="
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self.trigger = ""
+        self.missing: dict[str, tuple[str, list[str]]] = {}  # var → (problem, triggers)
+
+    def __getitem__(self, name: str) -> str:
+        value = self.env.get(name)
+        if value:
+            return value
+        problem = "is not set" if value is None else "is empty"
+        users = self.missing.setdefault(name, (problem, []))[1]
+        if self.trigger not in users:
+            users.append(self.trigger)
+        return self._STAND_IN
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.env)
+
+    def __len__(self) -> int:
+        return len(self.env)
+
+    def raise_missing(self, file: str) -> None:
+        if len(self.missing) == 1:
+            ((name, (problem, users)),) = self.missing.items()
+            if len(users) == 1:  # the usual one-line error, naming the trigger
+                raise ConfigError(
+                    file,
+                    f"environment variable {name} {problem}",
+                    section="trigger",
+                    name=users[0],
+                    field="verify.secret_env",
+                )
+        if self.missing:
+            listed = "; ".join(
+                f"{name} {problem} (trigger{'s' if len(users) > 1 else ''} {', '.join(users)})"
+                for name, (problem, users) in self.missing.items()
+            )
+            raise ConfigError(
+                file,
+                f"{len(self.missing)} environment variables for secrets are missing: {listed}",
+                section="triggers",
+                field="verify.secret_env",
+            )
+
+
+class _TriggerParser:
+    """Holds file and trigger name so every error can name them without repeating them."""
+
+    def __init__(
+        self, file: str, name: str, workflows: Collection[str], env: Mapping[str, str]
+    ) -> None:
+        self.file = file
+        self.name = name
+        self.workflows = workflows
+        self.env = env
+
+    def fail(self, field: str | None, message: str) -> NoReturn:
+        raise ConfigError(self.file, message, section="trigger", name=self.name, field=field)
+
+    def parse(self, raw: object) -> Trigger:
+        if not isinstance(raw, dict):
+            self.fail(
+                None, f"must be a mapping with fields {', '.join(_REQUIRED)}, not {_kind(raw)}"
+            )
+        self.check_fields(raw, FIELDS, prefix="")
+        for required in _REQUIRED:
+            if required not in raw:
+                hint = (
+                    "; write {scheme: none} to accept unsigned deliveries explicitly"
+                    if required == "verify"
+                    else ""
+                )
+                self.fail(required, f"is required{hint}")
+        return Trigger(
+            name=self.name,
+            workflow=self.workflow(raw["workflow"]),
+            path=self.path(raw["path"]),
+            # parse_verify names file, trigger and `verify.*` field itself.
+            verify=parse_verify(raw["verify"], file=self.file, trigger=self.name, env=self.env),
+            when=self.when(raw["when"]) if "when" in raw else (),
+            event_id=self.event_id(raw["event_id"]),
+            key=self.key(raw.get("key", _DEFAULT_KEY)),
+            params=self.params(raw["params"]) if "params" in raw else ParamsSpec(),
+            on_live_match=self.choice(raw, "on_live_match", ON_LIVE_MATCH),
+            on_terminal_match=self.choice(raw, "on_terminal_match", ON_TERMINAL_MATCH),
+            on_params_mismatch=self.choice(raw, "on_params_mismatch", ON_PARAMS_MISMATCH),
+            replay_guard=self.replay_guard(raw),
+        )
+
+    def replay_guard(self, raw: dict[object, object]) -> bool:
+        """On by default for `github` and `shopify`, which sign the body alone and send
+        the event id in a header they do not sign (X-GitHub-Delivery,
+        X-Shopify-Webhook-Id): a captured delivery sent again with a new id must not
+        start new work. Off by default for `hmac` (with or without a timestamp: where
+        its event id comes from is the trigger's choice), `token` and `none`, whose
+        senders may send one body for several events (a cron ping), and for `gitlab`,
+        whose token travels in every delivery: whoever can replay one can forge any,
+        so the guard would buy nothing. `stripe`, `standard` and `slack` sign a
+        timestamp and the event id (Stripe's and Slack's ids are in the signed body),
+        so their replays are refused by verification already."""
+        verify = raw.get("verify")
+        scheme = verify.get("scheme") if isinstance(verify, dict) else None
+        value = raw.get("replay_guard", scheme in ("github", "shopify"))
+        if not isinstance(value, bool):
+            self.fail("replay_guard", f"must be true or false, not {_show(value)}")
+        if value and scheme in ("stripe", "standard", "slack"):
+            self.fail(
+                "replay_guard",
+                f"is not needed with scheme {scheme}: it signs a timestamp and the event id",
+            )
+        return value
+
+    def check_fields(
+        self, raw: dict[object, object], allowed: tuple[str, ...], prefix: str
+    ) -> None:
+        for key in raw:
+            if key not in allowed:
+                text = str(key)
+                close = difflib.get_close_matches(text, allowed, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                self.fail(
+                    prefix + text, f"unknown field{hint}; allowed fields: {', '.join(allowed)}"
+                )
+
+    def workflow(self, raw: object) -> str:
+        if not isinstance(raw, str) or not raw:
+            self.fail("workflow", f"must be a workflow name, not {_kind(raw)}")
+        if raw not in self.workflows:
+            known = ", ".join(sorted(self.workflows)) or "none are defined"
+            self.fail("workflow", f"unknown workflow '{raw}'; known workflows: {known}")
+        return raw
+
+    def path(self, raw: object) -> str:
+        if not isinstance(raw, str) or not raw.startswith("/"):
+            self.fail("path", f"must be a URL path starting with '/', not {_show(raw)}")
+        bad = sorted({c for c in raw if c in _PATH_FORBIDDEN})
+        if bad:
+            self.fail("path", f"must not contain {' '.join(repr(c) for c in bad)}")
+        if "%" in raw:
+            # Routes are matched against the decoded path: '/a%20b' would never match.
+            self.fail(
+                "path",
+                "must not contain '%': requests are matched on the decoded path, so write "
+                "it decoded (/hooks/café, not /hooks/caf%C3%A9)",
+            )
+        return raw
+
+    def header(self, raw: object, field: str) -> str:
+        if not isinstance(raw, str) or not raw:
+            self.fail(field, f"must be a non-empty string (a header name), not {_kind(raw)}")
+        if not is_header_name(raw):
+            self.fail(field, f"{raw!r} is not a valid header name")
+        return raw
+
+    def jsonpath(self, raw: object, field: str) -> Path:
+        if not isinstance(raw, str) or not raw:
+            self.fail(
+                field, f"must be a non-empty string (a JSONPath such as $.id), not {_kind(raw)}"
+            )
+        try:
+            return compile_path(raw)
+        except ValueError as exc:
+            self.fail(field, str(exc))
+
+    def source(self, raw: dict[object, object], field: str) -> tuple[str | None, Path | None]:
+        present = [s for s in _SOURCES if s in raw]
+        if len(present) != 1:
+            got = f"got {' and '.join(present)}" if present else "got neither"
+            self.fail(field, f"needs exactly one source, header or jsonpath ({got})")
+        if present[0] == "header":
+            return self.header(raw["header"], f"{field}.header"), None
+        return None, self.jsonpath(raw["jsonpath"], f"{field}.jsonpath")
+
+    def when(self, raw: object) -> tuple[Condition, ...]:
+        if not isinstance(raw, list):
+            self.fail("when", f"must be a list of conditions, not {_kind(raw)}")
+        return tuple(self.condition(item, f"when[{i}]") for i, item in enumerate(raw))
+
+    def condition(self, raw: object, field: str) -> Condition:
+        if not isinstance(raw, dict):
+            self.fail(
+                field,
+                "must be a mapping such as {header: X-GitHub-Event, equals: push}, "
+                f"not {_kind(raw)}",
+            )
+        self.check_fields(raw, (*_SOURCES, *TESTS), prefix=f"{field}.")
+        header, path = self.source(raw, field)
+        tests = [t for t in TESTS if t in raw]
+        if len(tests) != 1:
+            got = f"got {', '.join(tests)}" if tests else "got none"
+            self.fail(field, f"needs exactly one test of {', '.join(TESTS)} ({got})")
+        test = tests[0]
+        try:
+            return compile_condition(
+                header=header,
+                path=path,
+                test=test,  # type: ignore[arg-type]  # one of TESTS, checked above
+                operand=raw[test],
+            )
+        except ValueError as exc:
+            # The source was checked by self.source: what is left is the test's operand.
+            self.fail(f"{field}.{test}", str(exc))
+
+    def event_id(self, raw: object) -> EventIdSource:
+        if not isinstance(raw, dict):
+            self.fail(
+                "event_id",
+                f"must be a mapping such as {{header: X-GitHub-Delivery}}, not {_kind(raw)}",
+            )
+        self.check_fields(raw, _EVENT_ID_FIELDS, prefix="event_id.")
+        header, path = self.source(raw, "event_id")
+        missing = raw.get("missing", MISSING[0])
+        if missing not in MISSING:
+            self.fail(
+                "event_id.missing", f"must be one of {', '.join(MISSING)}, not {_show(missing)}"
+            )
+        try:
+            return compile_event_id(header=header, path=path, missing=missing)
+        except ValueError as exc:
+            self.fail("event_id", str(exc))
+
+    def key(self, raw: object) -> KeyTemplate:
+        if not isinstance(raw, str):
+            self.fail("key", f"must be a template string such as '{{event_id}}', not {_kind(raw)}")
+        try:
+            return compile_key(raw)
+        except ValueError as exc:
+            self.fail("key", str(exc))
+
+    def params(self, raw: object) -> ParamsSpec:
+        if not isinstance(raw, dict):
+            self.fail(
+                "params",
+                f"must be a mapping of param name → JSONPath, header or value, not {_kind(raw)}",
+            )
+        for name in raw:
+            if not isinstance(name, str) or not name:
+                self.fail(f"params.{name}", "param names must be non-empty strings")
+        try:
+            return compile_params(raw)
+        except ParamError as exc:
+            self.fail(f"params.{exc.name}", exc.reason)
+
+    def choice(self, raw: dict[object, object], field: str, allowed: tuple[str, ...]) -> str:
+        value = raw.get(field, allowed[0])
+        if not isinstance(value, str) or value not in allowed:
+            self.fail(field, f"must be one of {', '.join(allowed)}, not {_show(value)}")
+        return value
+
+
+def _kind(value: object) -> str:
+    """The YAML name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, str) and not value:
+        return "an empty string"
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }
+    return names.get(type(value), type(value).__name__)
+
+
+def _show(value: object) -> str:
+    """A user's value for a message: short strings and numbers as written, else the type."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        text = str(value)
+    else:
+        text = _kind(value)
+    return text if len(text) <= 60 else text[:57] + "..."

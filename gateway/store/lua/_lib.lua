@@ -1,0 +1,267 @@
+-- Shared helpers, prepended by gateway/store/scripts.py to every script after its
+-- `#!lua` line, so each operation stays one atomic file without copying these.
+
+-- The consumer group of the runners on every stream (gateway/store/runstore.py take_steps).
+local RUNNERS_GROUP = 'runners'
+
+-- Server time, in milliseconds and in microseconds: every gateway replica agrees on it.
+local function server_time()
+  local t = redis.call('TIME')
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
+end
+
+local function now_ms()
+  return (server_time())
+end
+
+-- A score for a new member of a key's run set: the server time in microseconds,
+-- nudged past the newest member so that the key's "newest run" (what reconcile
+-- points the key at) never depends on a clock tie or a clock set back.
+local function next_score(zset, now_us)
+  local score = now_us
+  local top = redis.call('ZRANGE', zset, -1, -1, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) >= score then
+    score = tonumber(top[2]) + 1
+  end
+  return score
+end
+
+-- Operation ids: a mutating call names a key of its own, realm:{wf}:op:<id>,
+-- and records its reply there. The store resends a call whose reply was lost; the
+-- resend finds the record and reports what the first attempt did, not what a second
+-- decision would say now. Kept for OP_TTL_MS: longer than any resend, and short enough
+-- that the records of a busy gateway stay small; never longer than the workflow's
+-- retention, after which the run itself is gone and a resend learns that instead.
+local OP_TTL_MS = 120000
+
+local function op_recall(op_key)
+  if not op_key or op_key == '' then
+    return nil
+  end
+  local stored = redis.call('GET', op_key)
+  if not stored then
+    return nil
+  end
+  return cjson.decode(stored)
+end
+
+local function op_remember(op_key, reply, retention_ms)
+  if op_key and op_key ~= '' then
+    local ttl = math.min(OP_TTL_MS, tonumber(retention_ms) or OP_TTL_MS)
+    redis.call('SET', op_key, cjson.encode(reply), 'PX', ttl)
+  end
+  return reply
+end
+
+-- End a live run: record its final phase, mirror it on the key pointer when
+-- the pointer still names this run, and start the retention clock on both.
+-- `pointer` and `keyruns` may be nil for a run started without a key. With the
+-- `stream`, the entry of the step it was at is acknowledged for the runners: no
+-- step of an ended run is handed out (take_step.lua refuses one anyway).
+local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyruns, stream)
+  if stream then
+    local entry = redis.call('HGET', run_key, 'entry')
+    if entry then
+      redis.call('XACK', stream, RUNNERS_GROUP, entry)
+    end
+  end
+  redis.call('HSET', run_key, 'phase', phase, 'updated_ms', now, 'ended_ms', now)
+  redis.call('HDEL', run_key, 'lease', 'lease_until')
+  redis.call('PEXPIRE', run_key, retention_ms)
+  if pointer and redis.call('HGET', pointer, 'run') == run_id then
+    redis.call('HSET', pointer, 'phase', phase)
+    redis.call('PEXPIRE', pointer, retention_ms)
+    redis.call('PEXPIRE', keyruns, retention_ms)
+  end
+end
+
+local function ack(stream, entry)
+  if entry and entry ~= '' then
+    redis.call('XACK', stream, RUNNERS_GROUP, entry)
+  end
+end
+
+-- May a report on `step` of a run be recorded (complete_step, step_failed,
+-- extend_lease, end_run with a lease)? nil if so, else the refusal
+-- {outcome, phase, step}. A report on a run that ended, or that moved past the step,
+-- is discarded and the reporter's stream entry (`entry_id`) acknowledged: nothing is
+-- left to do for it. A report under a lease (`token`; '' = an operator's, unleased)
+-- that is no longer the run's is discarded too, and the entry left to the runner
+-- that holds the newer lease.
+local function check_report(run_key, stream, step, token, entry_id)
+  local run = redis.call('HMGET', run_key, 'id', 'phase', 'step', 'lease', 'entry')
+  if not run[1] then
+    return {'not_found', '', ''}
+  end
+  if run[2] ~= 'running' then
+    ack(stream, entry_id)
+    ack(stream, run[5])
+    return {'not_live', run[2], run[3]}
+  end
+  if step ~= '' and run[3] ~= step then
+    if entry_id ~= run[5] then
+      ack(stream, entry_id)
+    end
+    return {'wrong_step', run[2], run[3]}
+  end
+  if token ~= '' and run[4] ~= token then
+    return {'lease_lost', run[2], run[3]}
+  end
+  return nil
+end
+
+-- Does an item of a batch have to be called again naming the hash of the run its
+-- key points at (`cur_id`, the id the caller named, '' if none)? Keys are never
+-- built here, so the caller names it; see `claim`.
+local function needs_cur(pointer, cur_id)
+  if not pointer then
+    return false
+  end
+  local held = redis.call('HGET', pointer, 'run')
+  return held ~= false and held ~= cur_id
+end
+
+-- Superseded runs of one key kept in its run set: a key rerun forever while always
+-- live (a cancel_existing singleton) must not grow without bound. Older members are
+-- dropped from the set (their run hashes expire on their own).
+local KEYRUNS_KEEP = 1000
+
+-- Write the markers of a start that was decided (a run started or deduplicated):
+-- a redelivery of the same event, a replayed body or a retried request finds them.
+local function mark(k, a, outcome, run_id, rerun_of)
+  for i, marker in ipairs(k.markers) do
+    redis.call('HSET', marker, 'run', run_id, 'outcome', outcome, 'rerun_of', rerun_of,
+      'tag', a.marks[i].tag)
+    redis.call('PEXPIRE', marker, a.retention)
+  end
+end
+
+-- The claim for one start (the on_live_match / on_terminal_match policies): decide from the markers and the key
+-- pointer, and when the decision is a new run, write the run, its indexes, the
+-- pointer and the stream entry for the runners, all in this one script call.
+-- k: run, index, stream, pointer and keyruns (nil without a key), key_index (the
+--    workflow's index of keys), cur (the hash of the run the caller believes the
+--    pointer names, or nil), mrun (the hash of the run the caller was told a marker
+--    names, or nil), markers (list of marker keys)
+-- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
+--    on_mismatch, retention, seq (the item's place in a batch; 0 alone),
+--    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
+--    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
+--    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated) or
+--    'replay' (a body digest: a hit only when the tag, the event id, differs)
+-- now: server time in ms; now_us: in microseconds.
+-- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
+local function claim(k, a, now, now_us)
+  -- Caller-id check: this exact start already committed (its reply was lost).
+  local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of')
+  if mine[1] then
+    return {'created', a.id, mine[1], mine[2] or '', mine[3] or '', '0'}
+  end
+
+  -- Markers: this event, body or request was decided before. A marker whose tag
+  -- differs is a hit only for a replay guard (same body, another event id); a
+  -- marker with no tag of ours ('') is always a hit.
+  for i, marker in ipairs(k.markers) do
+    local m = redis.call('HMGET', marker, 'run', 'outcome', 'rerun_of', 'tag')
+    local mode, tag = a.marks[i].mode, a.marks[i].tag
+    if m[1] and (mode ~= 'replay' or m[4] ~= tag) then
+      if a.mrun_id ~= m[1] then
+        return {'need_run', m[1], 'marker', '', '', '0'}
+      end
+      local r = redis.call('HMGET', k.mrun, 'phase', 'step')
+      if r[1] then
+        if mode == 'same' and m[2] == 'created' then
+          return {'created', m[1], r[1], r[2] or '', m[3] or '', '0'}
+        end
+        return {'existing', m[1], r[1], r[2] or '', '', '0'}
+      end
+      -- The run it names is gone (deleted, evicted): the marker protects nothing.
+      redis.call('DEL', marker)
+    end
+  end
+
+  local rerun_of = ''
+  if k.pointer then
+    local cur = redis.call('HMGET', k.pointer, 'run', 'phase', 'step', 'fp')
+    local cur_id, cur_phase, cur_step = cur[1], cur[2], cur[3] or ''
+    if cur_id and cur_id ~= a.cur_id then
+      -- A repeat: every decision below names or ends the key's run, so the caller
+      -- must name its hash (it is checked to exist). One more call, only on repeats.
+      return {'need_run', cur_id, 'pointer', '', '', '0'}
+    end
+    if cur_id and not redis.call('HGET', k.cur, 'id') then
+      -- The pointer names a run that no longer exists (deleted, evicted, a partial
+      -- restore): nothing owns the key, so it is free. Never dedupe onto a 404.
+      redis.call('DEL', k.pointer)
+      redis.call('ZREM', k.keyruns, cur_id)
+      cur_id = nil
+    end
+    if cur_id then
+      local mismatch = (cur[4] ~= a.fp) and '1' or '0'
+      local existing = 'existing'
+      if mismatch == '1' and a.on_mismatch == 'reject' then
+        existing = 'conflict'
+      end
+      local refusal = nil
+      if cur_phase == 'running' then
+        if a.on_live == 'use_existing' then
+          refusal = existing
+        elseif a.on_live == 'fail' then
+          refusal = 'active'
+        else
+          -- cancel_existing: end the live run and start the new one right here.
+          end_run(k.cur, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns, k.stream)
+        end
+      elseif a.on_terminal == 'reuse' then
+        refusal = existing
+      elseif a.on_terminal == 'reject' then
+        refusal = 'used'
+      elseif a.on_terminal == 'rerun_if_failed' and cur_phase == 'completed' then
+        refusal = existing
+      end
+      -- Otherwise: rerun, or rerun_if_failed after a failed or cancelled run.
+      if refusal then
+        if refusal == 'existing' then
+          mark(k, a, 'existing', cur_id, '')
+        end
+        return {refusal, cur_id, cur_phase, cur_step, '', mismatch}
+      end
+      rerun_of = cur_id
+    end
+  end
+
+  local first = a.first
+  local entry = redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow,
+    'step', first, 'params', a.params)
+  -- `entry`: the stream entry of the step the run is at, for the runners.
+  redis.call('HSET', k.run,
+    'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'running',
+    'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
+    'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'entry', entry)
+  -- The workflow's index orders listings only: the time (unique per script call,
+  -- which takes more than a microsecond) plus the item's place in its batch.
+  redis.call('ZADD', k.index, now_us + a.seq, a.id)
+  if k.pointer then
+    if rerun_of ~= '' then
+      -- The old pointer may carry a TTL (its run ended): start it afresh. A key
+      -- seen for the first time has no pointer to delete.
+      redis.call('DEL', k.pointer)
+    end
+    redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
+    redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
+    -- The key index: reconcile walks it instead of the keyspace, the sweep drops a key
+    -- once its pointer and run set are gone. Scored by this claim's time, like the run
+    -- index: the sweep looks only at keys claimed more than a retention ago (a group
+    -- outlives its last claim by that much, unless deleted or repointed). Only a claim
+    -- that writes the pointer adds the key (one ZADD): every key group starts here, and
+    -- a repeat's group (pointer or run set still there) is in the index already.
+    redis.call('ZADD', k.key_index, now_us + a.seq, a.key)
+    redis.call('PERSIST', k.keyruns)
+    if rerun_of ~= '' then
+      redis.call('ZREMRANGEBYRANK', k.keyruns, 0, -(KEYRUNS_KEEP + 1))
+    end
+  end
+  mark(k, a, 'created', a.id, rerun_of)
+  return {'created', a.id, 'running', first, rerun_of, '0'}
+end
