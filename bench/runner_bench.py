@@ -2,7 +2,7 @@
 webhook's 202 to its run's first step handler starting, beside `realm listen`.
 
     python bench/runner_bench.py [--runners 1,2,4] [--concurrency 8] [--runs 2000]
-                                 [--rates 100,300] [--seconds 5] [--quick]
+                                 [--rates 1,100,300] [--seconds 5] [--samples 60] [--quick]
 
 Everything runs on 127.0.0.1 and stops by itself: a private redis-server on a free
 port (no persistence) and runner processes, each one in-process ``Runner``
@@ -15,12 +15,17 @@ record with the lease, the next step queued).
    clock runs from the first batch to the last step recorded (runs x 3 steps).
 2. Latency, in the same run as the listener: `realm listen` (1 worker, the bench
    config of bench/listen_bench.py) takes signed GitHub push deliveries from a
-   minimal asyncio sender at a fixed rate (``--rates``, per second, for ``--seconds``), with
-   2 runner processes taking the steps. For each delivery answered 202 the time
+   minimal asyncio sender at a fixed rate (``--rates``, per second, for ``--seconds``, or
+   longer at a low rate, to send ``--samples`` deliveries at least), with 2 runner
+   processes taking the steps. At 1 per second the runners are idle between
+   deliveries: what is measured is how soon an idle runner starts a step that became
+   ready. For each delivery answered 202 the time
    the reply arrived is joined (by run id) with the time the run's ``fetch``
    handler started, on the same host clock: p50, p99 and max of the difference.
    A negative difference (the handler started before the sender read the 202) is
    counted as it is.
+
+``--runners ''`` skips the throughput part, ``--rates ''`` the latency part.
 """
 
 from __future__ import annotations
@@ -264,7 +269,8 @@ def latency(server: RedisServer, config: Path, folder: Path, rate: int, args) ->
     try:
         app.start()
         runners.wait("runners up", lambda: runners.recorded() is not None, 60)
-        got, reply_ms = asyncio.run(send_at_rate(app.port, secret, rate, args.seconds))
+        seconds = max(args.seconds, args.samples / rate)
+        got, reply_ms = asyncio.run(send_at_rate(app.port, secret, rate, seconds))
         want = len(got) * STEPS
         runners.wait("every step recorded", lambda: (runners.recorded() or 0) >= want, 120)
         started = runners.started()
@@ -285,8 +291,14 @@ def main() -> int:
     parser.add_argument("--runners", default="1,2,4")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--runs", type=int, default=2000)
-    parser.add_argument("--rates", default="100,300")
+    parser.add_argument("--rates", default="1,100,300")
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=60,
+        help="deliveries per rate at least (a low rate sends for longer)",
+    )
     parser.add_argument("--quick", action="store_true", help="small numbers: a smoke run")
     parser.add_argument("--runner-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
@@ -299,6 +311,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.runners, args.runs, args.rates, args.seconds = "1,2", 300, "50", 2.0
+        args.samples = 0
 
     with tempfile.TemporaryDirectory(prefix="runner-bench-") as tmp:
         folder = Path(tmp)
@@ -310,16 +323,20 @@ def main() -> int:
                   f"{args.concurrency} handlers per runner process, no-op handlers\n")  # fmt: skip
             print(f"{'runner processes':>17} | {'steps/s':>8} | {'runs/s':>7}")
             print(f"{'-' * 17}-+-{'-' * 8}-+-{'-' * 7}")
-            for n in (int(x) for x in args.runners.split(",")):
+            for n in (int(x) for x in args.runners.split(",") if x):
                 rate = throughput(server, config, folder, n, args)
                 print(f"{n:>17} | {rate:>8.0f} | {rate / STEPS:>7.0f}", flush=True)
+            rates = [int(x) for x in args.rates.split(",") if x]
+            if not rates:
+                return 0
             print(f"\nwebhook 202 -> first step handler started, `realm listen` (1 worker) + "
-                  f"2 runner processes, {args.seconds:g} s per rate\n")  # fmt: skip
+                  f"2 runner processes, {args.seconds:g} s per rate (at least "
+                  f"{args.samples} deliveries)\n")  # fmt: skip
             head = (f"{'rate/s':>6} | {'202s':>5} | {'reply p50':>9} | {'reply p99':>9} | "
                     f"{'start p50':>9} | {'start p99':>9} | {'start max':>9} | neg")  # fmt: skip
             print(head)
             print("-" * len(head))
-            for r in (int(x) for x in args.rates.split(",")):
+            for r in rates:
                 row = latency(server, config, folder, r, args)
                 w, rep = row["waits"], row["reply_ms"]
                 print(f"{r:>6} | {row['accepted']:>5} | {pct(rep, 50):>7.1f}ms | "

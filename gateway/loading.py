@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from gateway.ingest.triggers import Trigger, parse_triggers
 from gateway.model.config import RESERVED_PATHS, Config, Workflow
 from gateway.model.errors import ConfigError
 from gateway.model.parse import clip, parse_settings, parse_workflows
+from gateway.model.words import did_you_mean, noun
 from gateway.runners.handlers import parse_handlers
 
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
@@ -41,6 +42,41 @@ def load_config(
     return parse_config(text, file=file, with_triggers=with_triggers, env=env)
 
 
+class _PlaceholderSecrets(Mapping[str, str]):
+    """An environment in which every variable holds the same placeholder secret, one
+    that also fits the Standard Webhooks format: the file is checked, not the
+    environment of the machine it is checked on (a CI job has no production secrets).
+    The placeholder never verifies anything: such a config is for checking only."""
+
+    _PLACEHOLDER = "whsec_cGxhY2Vob2xkZXI="
+
+    def __getitem__(self, name: str) -> str:
+        return self._PLACEHOLDER
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def load_config_without_secrets(path: str | os.PathLike[str]) -> Config[Trigger]:
+    """Every check of ``load_config`` except that the secrets' variables are set (and
+    that a Standard Webhooks one holds a ``whsec_`` secret): ``realm triggers check
+    --no-secrets``. Its triggers hold placeholder secrets: check with it, never serve."""
+    return load_config(path, env=_PlaceholderSecrets())
+
+
+def secret_variables(config: Config[Trigger]) -> dict[str, list[str]]:
+    """Each ``secret_env`` variable of the config's triggers, with the triggers that
+    name it, in the order of the file."""
+    users: dict[str, list[str]] = {}
+    for trigger in config.triggers.values():
+        for name in trigger.verify.secret_env:
+            users.setdefault(name, []).append(trigger.name)
+    return users
+
+
 def parse_config(
     text: str,
     *,
@@ -51,16 +87,22 @@ def parse_config(
     doc = load_yaml(text, file)
     if not isinstance(doc, dict):
         raise ConfigError(file, "must be a mapping with 'version', 'workflows' and 'triggers'")
-    unknown = sorted(str(k) for k in doc if k not in TOP_FIELDS)
+    unknown = [str(k) for k in doc if k not in TOP_FIELDS]
     if unknown:
+        named = ", ".join(clip(repr(k), 60) + did_you_mean(k, TOP_FIELDS) for k in unknown)
         raise ConfigError(
-            file, f"unknown top-level field(s) {unknown}; allowed: {sorted(TOP_FIELDS)}"
+            file,
+            f"unknown top-level {noun(len(unknown), 'field')} {clip(named)}; "
+            f"allowed fields: {', '.join(sorted(TOP_FIELDS))}",
         )
     version = doc.get("version")
+    if version is None:  # absent, or `version:` with no value
+        problem = "is missing" if "version" not in doc else "has no value"
+        raise ConfigError(file, f"field 'version' {problem}; write 'version: 1' at the top")
     if type(version) is not int or version != 1:  # `version: true` is not 1
         raise ConfigError(file, f"field 'version' must be 1 (got {clip(repr(version))})")
     workflows = parse_workflows(doc.get("workflows"), file)
-    _check_handlers(workflows, file)
+    _check_handlers(workflows, file, doc.get("triggers"))
     settings = parse_settings(doc.get("settings"), file)
     triggers: Mapping[str, Trigger] = {}
     if with_triggers and doc.get("triggers") is not None:
@@ -99,11 +141,31 @@ def parse_config(
     )
 
 
-def _check_handlers(workflows: Mapping[str, Workflow], file: str) -> None:
-    """Each workflow's ``handlers:``, parsed as ``realm work`` will build them."""
+def _check_handlers(workflows: Mapping[str, Workflow], file: str, triggers: object) -> None:
+    """Each workflow's ``handlers:``, parsed as ``realm work`` will build them: a
+    command's ``env:`` may not list a variable the file names as a secret."""
+    secrets = _secret_names(workflows, triggers)
     for name, workflow in workflows.items():
         if workflow.handlers is not None:
-            parse_handlers(workflow.handlers, file=file, workflow=name, steps=list(workflow.steps))
+            parse_handlers(workflow.handlers, file=file, workflow=name,
+                           steps=list(workflow.steps), secrets=secrets)  # fmt: skip
+
+
+def _secret_names(workflows: Mapping[str, Workflow], triggers: object) -> frozenset[str]:
+    """Every ``secret_env`` of the file: the triggers' (``verify.secret_env``, a name or
+    a list) and the http handlers'. Read from the raw file, so that they count even
+    when the triggers are not loaded (``realm work``); malformed entries are the
+    triggers' parser's to refuse."""
+    found: list[object] = []
+    for trigger in triggers.values() if isinstance(triggers, dict) else ():
+        verify = trigger.get("verify") if isinstance(trigger, dict) else None
+        value = verify.get("secret_env") if isinstance(verify, dict) else None
+        found += value if isinstance(value, list) else [value]
+    for workflow in workflows.values():
+        handlers = workflow.handlers if isinstance(workflow.handlers, dict) else {}
+        for spec in handlers.values():
+            found.append(spec.get("secret_env") if isinstance(spec, dict) else None)
+    return frozenset(name for name in found if isinstance(name, str))
 
 
 # --------------------------------------------------------------------------- YAML

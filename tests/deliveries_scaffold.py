@@ -1,5 +1,6 @@
 """What the delivery log's tests share (tests/test_delivery_log.py, test_deliveries_api.py,
-test_deliveries_cli.py, test_mcp_deliveries.py, test_cluster_admin.py): the triggers
+test_deliveries_cli.py, test_mcp_deliveries.py, test_delivery_log_faults.py,
+test_deliveries_cluster.py, test_replay_verified.py, test_cluster_admin.py): the triggers
 they serve, their secrets, a module's real `realm listen` of them, the senders, and the
 wait until the listener's log holds what was sent.
 
@@ -9,6 +10,7 @@ waits for it (``sent``), with a deadline.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -100,6 +102,12 @@ def plain(
 
 def push_body(ref: str = "refs/heads/main") -> bytes:
     return orjson.dumps({"ref": ref, "repository": {"full_name": "o/r"}})
+
+
+def spec_fingerprint(scheme: str, *secret_env: str) -> str:
+    """What a record keeps of a trigger's verify spec: its scheme and the names of its
+    secrets' variables, sorted and hashed (never a secret's value)."""
+    return hashlib.sha256("\n".join([scheme, *sorted(secret_env)]).encode()).hexdigest()[:16]
 
 
 def logged(db: redis.Redis) -> int:

@@ -50,8 +50,8 @@ class Listener:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> Listener:
-        self.port = free_port()
+    def start(self, timeout: float = 30.0, port: int | None = None) -> Listener:
+        self.port = port or free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("REALM_")}
         env.update(self.env)
         cmd = [sys.executable, "-m", "gateway", "listen", "--config", str(self.config_path),

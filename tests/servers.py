@@ -20,7 +20,10 @@ from gateway.link.embedded import find_server_binary
 
 def _die_with_parent() -> None:
     """Linux: the server gets SIGKILL if the test process dies (a crash, a CI time
-    limit), so no server outlives the suite that started it."""
+    limit), so no server outlives the suite that started it. Strictly, when the thread
+    that started it ends: a server that must outlive a test (one of a module's
+    cluster) is started from the main thread, never through asyncio.to_thread, whose
+    threads end when the test's event loop closes."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -8,6 +8,9 @@ forwards still reaches Redis and runs there, but its reply is never passed on:
 once Redis has answered it (so the script did commit), the proxy closes that
 client connection instead, as a network that fails after the write would.
 
+``hold_processes(pids)`` makes the connections of those processes stall (their
+commands wait in the proxy) until ``release()``, while other processes' pass.
+
 It runs its own event loop in a thread, so it serves the gateway while the
 test blocks (starting the listener, say).
 """
@@ -15,9 +18,12 @@ test blocks (starting the listener, say).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _SIMPLE = frozenset(b"+-:_,#(")  # one line
 _BULK = frozenset(b"$!=")  # a length line, then that many bytes and CRLF
@@ -92,6 +98,7 @@ class Dropped:
 class _Pending:
     command: list[bytes]
     doomed: bool = False
+    stall: bool = False
 
 
 @dataclass
@@ -104,11 +111,15 @@ class TcpProxy:
     dropped: list[Dropped] = field(default_factory=list)
     _armed: bytes | None = None
     _armed_sha: bytes | None = None
+    _stall: bool = False
+    _skip: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # The processes whose connections are held (hold_processes).
+    _held_pids: frozenset[int] = frozenset()
 
     @property
     def url(self) -> str:
@@ -147,13 +158,39 @@ class TcpProxy:
             self._thread.join(10)
         self._thread = None
 
-    def drop_next_reply(self, command: bytes = b"EVALSHA", sha: bytes | None = None) -> None:
+    def drop_next_reply(
+        self,
+        command: bytes = b"EVALSHA",
+        sha: bytes | None = None,
+        *,
+        stall: bool = False,
+        after: int = 0,
+    ) -> None:
         """Arm: withhold the reply to the next ``command`` forwarded (with ``sha``, the
         next EVALSHA of that script only: a listener's background sweep calls scripts
-        too), then cut that client."""
+        too), then cut that client; ``stall``: keep it open and silent instead, a
+        connection that stops answering; ``after``: let that many such commands
+        through first."""
         with self._lock:
             self._armed = command.upper()
             self._armed_sha = sha
+            self._stall = stall
+            self._skip = after
+
+    def hold_processes(self, pids: set[int]) -> None:
+        """Stop forwarding the commands of every connection of these processes, open now
+        or made later (they wait, and their clients time out), until release(); other
+        processes' connections pass. Linux: the client's pid is read from /proc."""
+        with self._lock:
+            self._held_pids = frozenset(pids)
+
+    def release(self) -> None:
+        with self._lock:
+            self._held_pids = frozenset()
+
+    def _held(self) -> frozenset[int]:
+        with self._lock:
+            return self._held_pids
 
     @property
     def armed(self) -> bool:
@@ -179,7 +216,8 @@ class TcpProxy:
                 return
             self.connections += 1
             pending: deque[_Pending] = deque()
-            up = asyncio.ensure_future(self._requests(client_r, redis_w, pending))
+            client_port = client_w.get_extra_info("peername")[1]
+            up = asyncio.ensure_future(self._requests(client_r, redis_w, pending, client_port))
             down = asyncio.ensure_future(self._replies(redis_r, client_w, pending))
             try:
                 await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -193,9 +231,14 @@ class TcpProxy:
             self._tasks.discard(task)
 
     async def _requests(
-        self, reader: asyncio.StreamReader, redis_w: asyncio.StreamWriter, pending: deque[_Pending]
+        self,
+        reader: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+        pending: deque[_Pending],
+        client_port: int,
     ) -> None:
         buf = bytearray()
+        client_pid: int | None = None
         while chunk := await reader.read(65536):
             buf += chunk
             at = 0
@@ -210,9 +253,18 @@ class TcpProxy:
                         and name == self._armed
                         and (self._armed_sha is None or args[1:2] == [self._armed_sha])
                     ):
-                        entry.doomed, self._armed = True, None
+                        if self._skip:
+                            self._skip -= 1
+                        else:
+                            entry.doomed, entry.stall, self._armed = True, self._stall, None
                 pending.append(entry)
             del buf[:at]
+            while held := self._held():
+                if client_pid is None:
+                    client_pid = _pid_of_connection(client_port, self.port)
+                if client_pid not in held:
+                    break
+                await asyncio.sleep(0.01)
             redis_w.write(chunk)  # registered before it can be answered
             await redis_w.drain()
 
@@ -234,9 +286,31 @@ class TcpProxy:
                     if out:
                         client_w.write(bytes(out))
                         await client_w.drain()
+                    if entry.stall:  # nothing more reaches the client on this connection
+                        await asyncio.Event().wait()
                     return
                 out += reply
             del buf[:at]
             if out:
                 client_w.write(bytes(out))
                 await client_w.drain()
+
+
+def _pid_of_connection(client_port: int, server_port: int) -> int:
+    """The process holding the client end (``client_port``) of a loopback connection
+    to ``server_port``, from /proc; 0 if not found."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote = fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1]
+            if int(local, 16) == client_port and int(remote, 16) == server_port:
+                inode = f"socket:[{fields[9]}]"
+    if inode is None:
+        return 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) == inode for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+    return 0

@@ -131,7 +131,7 @@ def test_reconcile_route(api: httpx.Client):
     report = api.post("/v1/reconcile", json={"dry_run": True})
     assert report.status_code == 200
     assert report.json()["message"].startswith(
-        "Would write 0 pointer(s) across 1 key group(s); 1 already current."
+        "Would write 0 pointers across 1 key group; 1 already current."
     )
 
 
@@ -255,8 +255,10 @@ def test_an_unreachable_store_is_503_store_unavailable(tmp_path: Path, start_red
 async def test_250_concurrent_reads_wait_for_a_connection_instead_of_503(
     listener: Listener, api: httpx.Client
 ):
-    """The API's Redis pool holds 100 connections; a burst beyond that waits for one
-    (a blocking pool, bounded by redis_timeout) rather than failing fast with 503."""
+    """The API's Redis pool holds 100 connections; a burst beyond that takes turns
+    (gateway/faces/admission.py, gateway/link/pool.py) rather than failing fast with 503.
+    The heavier burst, and the deadline that must not count the wait, are in
+    tests/test_admin_reads.py."""
     import asyncio
     from collections import Counter
 

@@ -29,7 +29,7 @@ async def test_one_bad_item_creates_nothing_and_is_named(store: RunStore, redis:
 
     assert err.value.code == "VALIDATION_BATCH_ITEMS"
     assert err.value.message == (
-        "start_run_batch: 2 item(s) failed schema validation\n"
+        "start_run_batch: 2 items failed schema validation\n"
         "  - item 1: $: 'sha' is a required property\n"
         "  - item 3: $.repo: 5 is not of type 'string'\n"
         "One or more items failed schema validation. No runs were created."

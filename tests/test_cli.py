@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import WORKFLOWS_YAML
+from tests.listener import Listener
+from tests.servers import free_port
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
@@ -159,9 +161,9 @@ def test_unknown_workflow_and_run(cli):
          "triggers.yaml: workflow 'w': field 'params_schema': not a valid JSON Schema at "
          "$.type: 'objekt' is not valid under any of the given schemas"),
         ("version: 1\nworkflows:\n  w:\n    stepz: [a]\n",
-         "triggers.yaml: workflow 'w': field 'stepz': unknown field; allowed: "
-         "['description', 'handlers', 'lease', 'max_attempts', 'params_schema', 'partitions',"
-         " 'retention', 'retry_backoff', 'steps', 'stream_retention']"),
+         "triggers.yaml: workflow 'w': field 'stepz': unknown field (did you mean 'steps'?); "
+         "allowed fields: description, handlers, lease, max_attempts, params_schema, "
+         "partitions, retention, retry_backoff, steps, stream_retention"),
         ("version: 2\nworkflows: {}\n", "triggers.yaml: field 'version' must be 1 (got 2)"),
         ("version: 1\nworkflows: [\n", "triggers.yaml: not valid YAML at line 3, column 1"),
     ],
@@ -181,7 +183,9 @@ def test_an_unreachable_store_is_store_unavailable_not_a_traceback(workdir: Path
     out = realm("run", "start", "sync", "--redis-url", f"redis://127.0.0.1:{free_port()}",
                 cwd=workdir)  # fmt: skip
     assert out.returncode == 4
-    assert out.stdout.startswith("status: error\nSTORE_UNAVAILABLE: Redis is unreachable")
+    assert (
+        out.stdout == "status: error\nSTORE_UNAVAILABLE: Redis is unreachable: connection refused\n"
+    )
     assert "Traceback" not in out.stderr
     # A batch whose outcome is unknown prints the batch id to retry with.
     (workdir / "items.json").write_text("[{}]")
@@ -191,6 +195,42 @@ def test_an_unreachable_store_is_store_unavailable_not_a_traceback(workdir: Path
     assert re.fullmatch(
         rf"status: error\nSTORE_UNAVAILABLE: Redis is unreachable[^\n]*\nbatch_id: {UUID}\n",
         out.stdout,
+    )
+
+
+def test_the_cli_and_the_listener_say_an_unreachable_store_in_the_same_words(
+    workdir: Path,
+) -> None:
+    url = f"redis://:pw-cli-words-4c1f@127.0.0.1:{free_port()}"
+    out = realm("run", "list", "--redis-url", url, cwd=workdir)
+    assert out.returncode == 4
+    assert (
+        out.stdout.splitlines()[1] == "STORE_UNAVAILABLE: Redis is unreachable: connection refused"
+    )
+    listener = Listener(workdir, WORKFLOWS_YAML, redis_url=url, args=("--log-format", "text"))
+    try:
+        log = listener.start().log()
+    finally:
+        listener.stop()
+    # The start-up line (other parts may say it again as they start: the same words).
+    (line,) = [line for line in log.splitlines() if line.startswith("error: Redis at ")]
+    assert line.startswith("error: Redis at redis://:***@127.0.0.1:") and (
+        "is unreachable: connection refused. Starting anyway: " in line
+    ), line
+    assert "pw-cli-words-4c1f" not in log + out.stdout + out.stderr
+
+
+def test_reconcile_names_each_duplicate_group_s_key_escaped(cli):
+    key = "order\n4417"  # a line break: printed escaped, never as a new line
+    first = json.loads(cli("run", "start", "sync", "--key", key, "--json").stdout)["run_id"]
+    cli("run", "fail", first)
+    second = json.loads(
+        cli("run", "start", "sync", "--key", key, "--on-terminal-match", "rerun", "--json").stdout
+    )["run_id"]
+    out = cli("run", "reconcile", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[2] == (
+        f"  - workflow 'sync', key \"order\\n4417\" → canonical {second}; other runs: {first}"
     )
 
 
@@ -220,7 +260,7 @@ def test_batch_with_a_bad_item_starts_nothing(cli, workdir: Path):
     assert out.returncode == 1
     assert out.stdout == (
         "status: error\n"
-        "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item(s) failed schema validation\n"
+        "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item failed schema validation\n"
         "  - item 1: $: 'sha' is a required property\n"
         "One or more items failed schema validation. No runs were created.\n"
     )
@@ -236,9 +276,9 @@ def test_reconcile_dry_run_prints_the_documented_report(cli):
     out = cli("run", "reconcile", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert out.stdout == (
-        "Would write 0 pointer(s) across 1 key group(s); 1 already current.\n"
+        "Would write 0 pointers across 1 key group; 1 already current.\n"
         "Duplicate-key groups: 1\n"
-        f"  - workflow 'sync' → canonical {second}; other runs: {first}\n"
+        f"  - workflow 'sync', key k → canonical {second}; other runs: {first}\n"
     )
 
 

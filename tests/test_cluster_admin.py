@@ -292,7 +292,7 @@ def test_the_cli_on_a_cluster(cli, cluster: Cluster) -> None:
     report = cli("run", "reconcile", "--dry-run")
     assert report.returncode == 0, report.stderr
     assert report.stdout.startswith(
-        "Would write 0 pointer(s) across 2 key group(s); 2 already current."
+        "Would write 0 pointers across 2 key groups; 2 already current."
     )
     scanned = cli("run", "reconcile", "--dry-run", "--scan")
     assert scanned.stdout == report.stdout, scanned.stderr
@@ -405,7 +405,7 @@ def test_readyz_is_503_while_a_primary_is_down_and_200_once_its_replica_took_ove
 async def test_the_delivery_log_records_and_pages_in_one_slot(
     cluster: Cluster, cluster_db: redis_sync.RedisCluster
 ) -> None:
-    """Its scripts name keys they build from a base (records trimmed or listed): all
+    """Its scripts name every key they touch, records trimmed or listed too: all
     share the log's hash tag, so a cluster serves them from one slot."""
     from gateway.deliveries.log import get_delivery, list_deliveries, write_records
     from tests.deliveries_scaffold import deliver, load, push, signed

@@ -254,3 +254,63 @@ def _realm(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
         [sys.executable, "-m", "gateway", *args],
         cwd=cwd, env=full, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("workflows: {w: {steps: [go]}}\n",
+         "triggers.yaml: field 'version' is missing; write 'version: 1' at the top"),
+        ("version:\nworkflows: {w: {steps: [go]}}\n",
+         "triggers.yaml: field 'version' has no value; write 'version: 1' at the top"),
+    ],
+)  # fmt: skip
+def test_a_missing_version_is_said_so_not_got_none(text: str, message: str) -> None:
+    assert refusal(text) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("version: 1\nworkflows: {w: {stpes: [go]}}\n",
+         "triggers.yaml: workflow 'w': field 'stpes': unknown field (did you mean 'steps'?); "
+         "allowed fields: description, handlers, lease, max_attempts, params_schema, "
+         "partitions, retention, retry_backoff, steps, stream_retention"),
+        ("version: 1\nworkflows: {w: {steps: [go]}}\nsettings: {durability: {replica: 1}}\n",
+         "triggers.yaml: settings: field 'durability.replica': unknown field (did you mean "
+         "'replicas'?); allowed fields: fsync, replicas, timeout"),
+        ("version: 1\nworkflows: {w: {steps: [go]}}\ntrigers: {}\n",
+         "triggers.yaml: unknown top-level field 'trigers' (did you mean 'triggers'?); "
+         "allowed fields: settings, triggers, version, workflows"),
+        # Nothing close: no guess.
+        ("version: 1\nworkflows: {w: {steps: [go], zzz: 1}}\n",
+         "triggers.yaml: workflow 'w': field 'zzz': unknown field; allowed fields: "
+         "description, handlers, lease, max_attempts, params_schema, partitions, retention, "
+         "retry_backoff, steps, stream_retention"),
+        ("version: 1\nworkflows: {w: {steps: [go]}}\nsetting: {}\nx: 1\n",
+         "triggers.yaml: unknown top-level fields 'setting' (did you mean 'settings'?), 'x'; "
+         "allowed fields: settings, triggers, version, workflows"),
+    ],
+)  # fmt: skip
+def test_an_unknown_field_names_the_one_meant(text: str, message: str) -> None:
+    assert refusal(text) == message
+
+
+def test_an_unknown_setting_names_the_one_meant() -> None:
+    message = refusal("version: 1\nworkflows: {w: {steps: [go]}}\nsettings: {max_body_byte: 10}\n")
+    assert message.startswith(
+        "triggers.yaml: settings: field 'max_body_byte': unknown field (did you mean "
+        "'max_body_bytes'?); allowed fields: body_timeout, delivery_log, "
+    ), message
+
+
+def test_one_missing_secret_of_two_triggers_is_counted_in_the_singular() -> None:
+    env = {name: "x" for name in SHIPPED_SECRETS if name != "GITHUB_WEBHOOK_SECRET"}
+    assert refusal(SHIPPED.read_text(), env=env) == (
+        "triggers.yaml: triggers: field 'verify.secret_env': 1 environment variable for "
+        "secrets is missing: GITHUB_WEBHOOK_SECRET is not set (triggers github-push, "
+        "github-preview)"
+    )

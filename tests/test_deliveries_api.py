@@ -35,6 +35,7 @@ from tests.deliveries_scaffold import (
     plain,
     push_body,
     sent,
+    spec_fingerprint,
 )
 from tests.listener import Listener
 from tests.servers import RedisServer
@@ -130,6 +131,8 @@ def test_a_delivery_that_started_a_run_is_listed_and_shown_without_its_signature
                 "why_not": None,
                 "key": "d-41",
                 "params": {"ref": "refs/heads/main"},
+                "verified": True,
+                "verify_spec": spec_fingerprint("github", "GIT_SECRET"),
             }
         ],
         "headers": expected,
@@ -169,6 +172,8 @@ def test_a_refused_delivery_is_listed_with_its_reason_and_nothing_it_sent(
             "workflow": "sync",
             "outcome": "unverified",
             "signature": "token mismatch",
+            "verified": False,
+            "verify_spec": spec_fingerprint("token", "HOOK_TOKEN"),
             **dict.fromkeys(("run_id", "event_id", "deduped", "rerun_of", "phase", "code")),
             **dict.fromkeys(("message", "matched", "why_not", "key", "params")),
         }

@@ -27,7 +27,14 @@ from gateway.ingest.delivery import Reply
 from gateway.ingest.served import triggers_by_path
 from gateway.model.errors import RealmError
 from gateway.store.runstore import RunStore
-from tests.deliveries_scaffold import STORE_CONFIG, deliver, load, push, signed
+from tests.deliveries_scaffold import (
+    STORE_CONFIG,
+    deliver,
+    load,
+    push,
+    signed,
+    spec_fingerprint,
+)
 
 FIXED = STORE_CONFIG.replace("equals: push}", "in: [push, release]}")
 
@@ -74,6 +81,10 @@ async def test_a_started_delivery_is_kept_without_its_credentials(log_store: Run
                 "why_not": None,
                 "key": "d-1",
                 "params": {"ref": "refs/heads/main"},
+                # What a replay checks: it verified, under this spec (the scheme and the
+                # secret's variable name, hashed; never the secret).
+                "verified": True,
+                "verify_spec": spec_fingerprint("github", "GIT_SECRET"),
             }
         ],
         # Signature, authorization and cookie headers are gone; the rest in order.
@@ -187,6 +198,23 @@ async def test_the_log_is_trimmed_to_its_caps_and_a_flood_of_refusals_keeps_the_
     assert len(records) == 150
     page, _ = await list_deliveries(log_store, DeliveryFilter(status="202"), limit=1000)
     assert len(page) == 50
+
+
+async def test_the_cap_keeps_the_newest_when_an_older_record_arrives_late(
+    log_store: RunStore, redis: Redis
+) -> None:
+    """Ids of one millisecond, or of a worker whose clock is behind, arrive out of
+    order: the trim drops the oldest ids, whichever call brought them."""
+    settings = log_store.config.settings  # max_deliveries 50
+    body = push()
+    now = int(time.time() * 1000)
+    item = await deliver(log_store, body, signed(body), when_ms=now)
+    newest = await write_records(log_store, settings, [item] * 50)
+    late = dataclasses.replace(item, received_ms=now - 1000)
+    await write_records(log_store, settings, [late] * 5)
+    keys = LogKeys(log_store.prefix)
+    assert await redis.zrange(keys.index, 0, -1) == sorted(i.encode() for i in newest)
+    assert len([k async for k in redis.scan_iter(match=keys.base + "*", count=1000)]) == 50
 
 
 async def test_deliveries_past_retention_are_trimmed(log_store: RunStore, redis: Redis) -> None:
@@ -362,7 +390,7 @@ async def test_the_recorder_keeps_what_redis_refused_until_it_takes_it(
     await redis.config_set("maxmemory", "1")  # every write refused (OOM)
     try:
         recorder.add(item)
-        recorder.add(item)
+        recorder.add(dataclasses.replace(item))  # each delivery is its own item
         await recorder.flush()
         assert len(recorder._buffer) == 2
         assert not await redis.exists(LogKeys(log_store.prefix).index)

@@ -131,7 +131,7 @@ async def test_a_stopped_replica_is_503_within_the_timeout_and_the_retry_dedupli
         waited = time.monotonic() - started
     finally:
         pair.replica.resume()
-    assert refused.value.message == "not confirmed on 1 replica(s) within 0.3 s (got 0); retry"
+    assert refused.value.message == "not confirmed on 1 replica within 0.3 s (got 0); retry"
     assert TIMEOUT <= waited < TIMEOUT + 1.0
     # The claim ran on the primary; the retry (once the replica is back) finds it.
     again = await store.start_run("sync", {}, "key")
@@ -178,7 +178,7 @@ async def test_a_webhook_is_503_while_unconfirmed_and_its_redelivery_deduplicate
         listener.stop()
     assert refused.status_code == 503, refused.text
     assert "Retry-After" in refused.headers
-    assert "not confirmed on 1 replica(s) within 0.3 s" in refused.text
+    assert "not confirmed on 1 replica within 0.3 s" in refused.text
     assert retried.status_code == 200, retried.text
     [result] = retried.json()["results"]
     assert result["outcome"] == "deduplicated"

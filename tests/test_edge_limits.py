@@ -561,7 +561,7 @@ def test_an_unreachable_store_is_said_at_start_and_readyz_carries_a_code(tmp_pat
     listener = Listener(tmp_path, CONFIG, redis_url=url, env=ENV).start()
     try:
         log = listener.log()
-        lines = [line for line in log.splitlines() if "is unavailable" in line]
+        lines = [line for line in log.splitlines() if "error: Redis at " in line]
         assert len(lines) == 1, log
         assert "Starting anyway" in lines[0] and "pw-unreach-7e1d" not in log
         ready = httpx.get(listener.base_url + "/readyz", timeout=10)
@@ -616,7 +616,7 @@ def test_a_busy_server_gives_503_with_a_code_everywhere(start_redis, tmp_path: P
         admin.ping()  # connected (and authenticated) before the server is busy
         log = listener.log()
         assert password not in log and "password=***" in log, log
-        assert "is unavailable" not in log
+        assert "error: Redis at " not in log
         result: list[object] = []
         thread = threading.Thread(
             target=lambda: result.append(_eval_until_killed(blocker)), daemon=True

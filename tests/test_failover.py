@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, ClusterNode
 from tests.exactly_once import (
     CONFIG,
     DEPLOY,
@@ -88,6 +88,18 @@ async def window(tally: Tally) -> int:
     while time.monotonic() < deadline and not more.is_set():
         await asyncio.sleep(0.01)
     return tally.acked - start
+
+
+async def revive(cluster: Cluster, node: ClusterNode) -> None:
+    """Start a killed node again and wait until the cluster is ok. The process is
+    started from this thread, the waiting done in another: Linux kills a test server
+    when the thread that started it ends (PR_SET_PDEATHSIG, tests/servers.py), and the
+    worker threads of asyncio.to_thread end when the test's event loop closes. A node
+    revived from one was killed then, at the start of the next test of the module,
+    which found the workflow's primary without a replica (with durability, every
+    claim refused)."""
+    node.server.start()
+    await asyncio.to_thread(cluster.wait_ok)
 
 
 def first_2xx_sent_after(attempts: Sequence[Attempt], t: float) -> float | None:
@@ -192,10 +204,26 @@ async def test_cluster_failover_under_load(
             # As a supervisor would: the crashed node is started again and rejoins as
             # the new primary's replica (without it, `durability: {replicas: 1}`
             # would refuse every claim of these slots: no replica is left).
-            await asyncio.to_thread(cluster.revive, primary)
+            await revive(cluster, primary)
             revived_s = time.monotonic() - t_kill
             outcomes = await load
     assert promoted is replica
     url = f"redis://127.0.0.1:{replica.port}/0"
     conclude("cluster", durable, url, events, outcomes, t_kill,
              acked_in_window=in_window, failover_s=promoted_s, revived_s=revived_s)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_revived_node_outlives_the_event_loop_that_revived_it(
+    cluster: Cluster, cluster_db: object
+) -> None:
+    """What the next test of the module finds: the node ``revive`` started is still up
+    after the loop that ran it closed (its worker threads ended)."""
+    primary = cluster.primary_for_key(DEPLOY.runs())
+    [replica] = cluster.replicas_of(primary)
+    cluster.kill(replica)
+    asyncio.run(revive(cluster, replica))
+    assert replica.alive, "the revived node was killed with the thread that started it"
+    cluster.wait_ok()
+    assert replica.alive and cluster.replicas_of(primary) == [replica]

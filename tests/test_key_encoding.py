@@ -415,7 +415,7 @@ def test_listen_and_triggers_test_give_one_answer_for_a_key_too_long(
          "--header", "X-Id: k-1", "--redis-url", module_redis.url, "--json"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert dry.returncode == 0, dry.stderr
+    assert dry.returncode == 1, dry.stderr  # the listener's answer is a 4xx
     (entry,) = json.loads(dry.stdout)["triggers"]
     assert entry["result"] == f"422: {result['code']}: {result['message']}"
 

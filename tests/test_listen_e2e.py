@@ -1009,6 +1009,7 @@ def test_one_json_log_line_per_delivery_and_no_secret_signature_or_body(http, db
     assert [(r["outcome"], r["run_id"]) for r in lines[2]["results"]] == [("ignored", None)]
     assert lines[3] == {
         "event": "delivery",
+        "ts": lines[3]["ts"],
         "level": "info",
         "path": "/hooks/github",
         "status": 401,
@@ -1098,7 +1099,7 @@ def test_triggers_check_prints_the_table(tmp_path: Path):
             "rerun",
         ],
     ]
-    assert lines[-1] == f"{SHIPPED_CONFIG}: ok: 5 workflow(s), 5 trigger(s)"
+    assert lines[-1] == f"{SHIPPED_CONFIG}: ok: 5 workflows, 5 triggers"
     for secret in SECRETS:
         assert secret not in result.stdout + result.stderr
 

@@ -169,7 +169,7 @@ async def test_batch_with_a_bad_item_creates_nothing(
         lines = text.split("\n")
         assert lines[:2] == [
             "status: error",
-            "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item(s) failed schema validation",
+            "VALIDATION_BATCH_ITEMS: start_run_batch: 1 item failed schema validation",
         ]
         assert lines[2].startswith("  - item 1: ")
         assert "sha" in lines[2]

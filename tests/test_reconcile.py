@@ -42,15 +42,15 @@ async def test_dry_run_reports_then_repair_then_everything_is_current(
     report = await reconcile(store, dry_run=True)
     lines = report.text().splitlines()
     assert lines[:3] == [
-        "Would write 2 pointer(s) across 4 key group(s); 2 already current.",
+        "Would write 2 pointers across 4 key groups; 2 already current.",
         "Missing pointers: 1; stale pointers: 1.",
         "Duplicate-key groups: 2",
     ]
     # SCAN order is the server's: compare the group lines as a set.
     assert set(lines[3:]) == {
-        f"  - workflow 'sync' → canonical {stale_chain[2]}; other runs: "
+        f"  - workflow 'sync', key stale → canonical {stale_chain[2]}; other runs: "
         f"{stale_chain[1]}, {stale_chain[0]}",
-        f"  - workflow 'sync' → canonical {dup_chain[1]}; other runs: {dup_chain[0]}",
+        f"  - workflow 'sync', key dup → canonical {dup_chain[1]}; other runs: {dup_chain[0]}",
     }
     assert (report.missing, report.stale, report.current, report.duplicate_groups) == (1, 1, 2, 2)
     assert {d.canonical: d.others for d in report.duplicates} == {
@@ -60,9 +60,7 @@ async def test_dry_run_reports_then_repair_then_everything_is_current(
     assert await redis.exists(KEYS.pointer("missing")) == 0, "a dry run writes nothing"
 
     repaired = await reconcile(store, dry_run=False)
-    assert repaired.text().startswith(
-        "Wrote 2 pointer(s) across 4 key group(s); 2 already current."
-    )
+    assert repaired.text().startswith("Wrote 2 pointers across 4 key groups; 2 already current.")
     assert (await redis.hget(KEYS.pointer("missing"), "run")).decode() == missing
     assert (await redis.hget(KEYS.pointer("stale"), "run")).decode() == stale_chain[2]
     # The repaired pointers behave: a repeat deduplicates against the right run.
@@ -75,7 +73,7 @@ async def test_dry_run_reports_then_repair_then_everything_is_current(
 
     second = await reconcile(store, dry_run=True)
     assert second.text().startswith(
-        "Would write 0 pointer(s) across 4 key group(s); 4 already current."
+        "Would write 0 pointers across 4 key groups; 4 already current."
     )
     assert (await redis.hget(KEYS.pointer("ok"), "run")).decode() == ok
 
@@ -148,7 +146,7 @@ async def test_a_dangling_pointer_is_reported_and_moved_to_the_newest_run_left(
 
     report = await reconcile(store, dry_run=True)
     assert report.text().splitlines()[:2] == [
-        "Would write 1 pointer(s) across 2 key group(s); 1 already current.",
+        "Would write 1 pointer across 2 key groups; 1 already current.",
         "Dangling pointers (naming a run that no longer exists): 1.",
     ]
     assert (report.dangling, report.missing, report.stale) == (1, 0, 0)
@@ -157,7 +155,7 @@ async def test_a_dangling_pointer_is_reported_and_moved_to_the_newest_run_left(
 
     repaired = await reconcile(store, dry_run=False)
     assert repaired.text().splitlines()[:2] == [
-        "Wrote 1 pointer(s) across 2 key group(s); 1 already current.",
+        "Wrote 1 pointer across 2 key groups; 1 already current.",
         "Dangling pointers (naming a run that no longer exists): 1.",
     ]
     assert (repaired.written, repaired.dangling, repaired.deleted) == (1, 1, 0)
@@ -176,14 +174,14 @@ async def test_a_dangling_pointer_whose_key_has_no_run_left_is_removed(
 
     report = await reconcile(store, dry_run=True)
     assert report.text().splitlines()[:2] == [
-        "Would write 1 pointer(s) across 1 key group(s); 0 already current.",
+        "Would write 1 pointer across 1 key group; 0 already current.",
         "Dangling pointers (naming a run that no longer exists): 1.",
     ]
     repaired = await reconcile(store, dry_run=False)
     assert repaired.text().splitlines()[:3] == [
-        "Wrote 0 pointer(s) across 1 key group(s); 0 already current.",
+        "Wrote 0 pointers across 1 key group; 0 already current.",
         "Dangling pointers (naming a run that no longer exists): 1.",
-        "Deleted 1 dangling pointer(s): their key has no run left.",
+        "Deleted 1 dangling pointer: its key has no run left.",
     ]
     assert repaired.as_dict()["deleted"] == 1
     assert await redis.exists(KEYS.pointer("k"), KEYS.key_runs("k")) == 0
@@ -193,7 +191,7 @@ async def test_a_dangling_pointer_whose_key_has_no_run_left_is_removed(
     assert (
         (await reconcile(store, dry_run=True))
         .text()
-        .startswith("Would write 0 pointer(s) across 1 key group(s); 1 already current.")
+        .startswith("Would write 0 pointers across 1 key group; 1 already current.")
     )
 
 
@@ -261,7 +259,11 @@ class StartBetween(TcpProxy):
     between: Callable[[], Awaitable[None]] | None = None
 
     async def _requests(
-        self, reader: asyncio.StreamReader, redis_w: asyncio.StreamWriter, pending: deque
+        self,
+        reader: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+        pending: deque,
+        client_port: int,
     ) -> None:
         buf = bytearray()
         sent = 0  # bytes of buf already forwarded
@@ -424,7 +426,7 @@ async def test_reconcile_of_one_workflow_reads_its_own_keys_and_no_other(
     report = await reconcile(store, workflow="sync", dry_run=True)
 
     assert report.text().splitlines()[:2] == [
-        "Would write 1 pointer(s) across 3 key group(s); 2 already current.",
+        "Would write 1 pointer across 3 key groups; 2 already current.",
         "Missing pointers: 1; stale pointers: 0.",
     ]
     calls = await _calls(redis)
@@ -447,13 +449,13 @@ async def test_a_dangling_pointer_whose_run_set_is_gone_too_is_found_through_the
 
     report = await reconcile(store, dry_run=True)
     assert report.text().splitlines() == [
-        "Would write 1 pointer(s) across 1 key group(s); 0 already current.",
+        "Would write 1 pointer across 1 key group; 0 already current.",
         "Dangling pointers (naming a run that no longer exists): 1.",
         "Duplicate-key groups: 0",
     ]
     repaired = await reconcile(store, dry_run=False)
     assert repaired.text().splitlines()[2] == (
-        "Deleted 1 dangling pointer(s): their key has no run left."
+        "Deleted 1 dangling pointer: its key has no run left."
     )
     assert await redis.exists(KEYS.pointer("k")) == 0
     fresh = await store.start_run("sync", {}, "k")
@@ -473,25 +475,23 @@ async def test_keys_claimed_before_the_index_are_found_by_a_scan_which_indexes_t
     await redis.delete(KEYS.key_index(), KEYS.pointer("missing"))  # as an old gateway left it
 
     assert (await reconcile(store, workflow="sync", dry_run=True)).text().splitlines()[0] == (
-        "Would write 0 pointer(s) across 0 key group(s); 0 already current."
+        "Would write 0 pointers across 0 key groups; 0 already current."
     )
     scanned = await reconcile(store, workflow="sync", dry_run=True, scan=True)
     assert scanned.text().splitlines()[:2] == [
-        "Would write 1 pointer(s) across 3 key group(s); 2 already current.",
+        "Would write 1 pointer across 3 key groups; 2 already current.",
         "Missing pointers: 1; stale pointers: 0.",
     ]
     assert await redis.exists(KEYS.key_index()) == 0, "a dry run writes nothing"
 
     repaired = await reconcile(store, workflow="sync", dry_run=False, scan=True)
-    assert repaired.text().startswith(
-        "Wrote 1 pointer(s) across 3 key group(s); 2 already current."
-    )
+    assert repaired.text().startswith("Wrote 1 pointer across 3 key groups; 2 already current.")
     # Each key indexed at the time of its last claim, as the claim itself would have.
     assert await _key_index(redis) == claimed
     assert (await redis.hget(KEYS.pointer("missing"), "run")).decode() == missing
     after = await reconcile(store, workflow="sync", dry_run=True)
     assert after.text().splitlines()[0] == (
-        "Would write 0 pointer(s) across 3 key group(s); 3 already current."
+        "Would write 0 pointers across 3 key groups; 3 already current."
     )
     assert {d.canonical for d in after.duplicates} == {chain[1]}
     assert (await redis.hget(KEYS.pointer("ok"), "run")).decode() == ok
@@ -511,9 +511,9 @@ async def test_the_cli_takes_scan(store: RunStore, redis: Redis, redis_server, t
         return done.stdout.splitlines()[0]
 
     assert reconcile_cli("--dry-run") == (
-        "Would write 0 pointer(s) across 0 key group(s); 0 already current."
+        "Would write 0 pointers across 0 key groups; 0 already current."
     )
-    assert reconcile_cli("--scan") == "Wrote 0 pointer(s) across 1 key group(s); 1 already current."
+    assert reconcile_cli("--scan") == "Wrote 0 pointers across 1 key group; 1 already current."
     assert reconcile_cli("--dry-run") == (
-        "Would write 0 pointer(s) across 1 key group(s); 1 already current."
+        "Would write 0 pointers across 1 key group; 1 already current."
     )

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
+from gateway.serving.pidfile import answer_path
 from tests.listener import Listener
 from tests.servers import RedisServer
 from tests.signing import github_headers
@@ -199,7 +201,7 @@ def test_sighup_serves_the_new_file(start: Callable[..., Listener], workers: int
         )
         assert "/hooks/new" in http.get("/openapi.json").json()["paths"]
     # One line per worker, each naming the file and both versions.
-    assert [{k: v for k, v in x.items() if k != "pid"} for x in applied] == [
+    assert [{k: v for k, v in x.items() if k not in ("pid", "ts")} for x in applied] == [
         {"event": "config_reload", "level": "info", "result": "applied",
          "file": str(listener.config_path.resolve()), "version": version(V2),
          "from_version": version(V1)},
@@ -244,7 +246,7 @@ def test_a_refused_file_keeps_the_old_version(start: Callable[..., Listener], wo
             line = wait_for_lines(listener, "refused", n)[-1]
             # With 2 workers the supervisor refuses it, once; with 1 the worker does.
             assert line == {
-                "event": "config_reload", "level": "error", "result": "refused",
+                "event": "config_reload", "ts": line["ts"], "level": "error", "result": "refused",
                 "file": file, "version": version(V1), "error": f"{file}: {problem}",
                 "pid": listener.process.pid,
             }  # fmt: skip
@@ -269,13 +271,12 @@ def test_sighup_during_start_up_is_harmless(
     """From the moment its pid file exists until it serves, and on, a listener may get
     SIGHUP (a reload racing its start): it neither dies nor misses the file's last text."""
     listener = Listener(tmp_path, V1, redis_url=module_redis.url, env=ENV, workers=workers)
-    pid_file = tmp_path / ".realm" / "listen.pid"
     stop = threading.Event()
     sent = [0]
 
     def hammer() -> None:
         while not stop.is_set():
-            if pid_file.exists():
+            for pid_file in (tmp_path / ".realm").glob("listen@*.pid"):
                 try:
                     os.kill(int(pid_file.read_text()), signal.SIGHUP)
                 except (ValueError, ProcessLookupError, FileNotFoundError):
@@ -382,19 +383,30 @@ def realm(
     )  # fmt: skip
 
 
-SENT = (
-    "sent SIGHUP to realm listen (pid {pid}): it reloads its config file; its log says "
-    "whether it applied it, and /readyz shows its config_version\n"
-)
+def pid_file_of(listener: Listener) -> Path:
+    return listener.workdir / ".realm" / f"listen@127.0.0.1:{listener.port}.pid"
 
 
-def test_triggers_reload_signals_the_listener(start: Callable[..., Listener]) -> None:
-    listener = start(V1, workers=2)
+def applied_it(pid: int, text: str) -> str:
+    """What `realm triggers reload` prints when the listener applied ``text``."""
+    return (
+        f"triggers.yaml: ok (version {version(text)})\n"
+        f"realm listen (pid {pid}) applied it: it serves version {version(text)}\n"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_triggers_reload_says_what_the_listener_did(
+    start: Callable[..., Listener], workers: int
+) -> None:
+    listener = start(V1, workers=workers)
     assert listener.process is not None
     pid = listener.process.pid
     workdir = listener.workdir
-    pid_file = workdir / ".realm" / "listen.pid"
+    pid_file = pid_file_of(listener)
     assert pid_file.read_text() == f"{pid}\n"
+    file = str(listener.config_path.resolve())
 
     # A broken file is refused here: the listener never hears of it.
     write(listener.config_path, "version: 1\nworkflows: [\n")
@@ -404,19 +416,50 @@ def test_triggers_reload_signals_the_listener(start: Callable[..., Listener]) ->
         "error: triggers.yaml: not valid YAML at line 3, column 1: expected the node content, "
         "but found '<stream end>'; the listener was not signalled\n"
     )
+    assert reload_lines(listener) == []
 
-    # Checked without the listener's secrets (this shell has none), then signalled.
+    # Checked without the listener's secrets (this shell has none), then applied: once
+    # the command has answered, the listener serves the file.
     write(listener.config_path, V2)
     done = realm(workdir, "triggers", "reload")
-    assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout == f"triggers.yaml: ok (version {version(V2)})\n" + SENT.format(pid=pid)
-    wait_for_lines(listener, "applied", 2)
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", applied_it(pid, V2))
+    if workers == 1:
+        assert readyz_versions(listener) == {version(V2)}
+    wait_for_lines(listener, "applied", workers)
     wait_until("every /readyz answer to show V2",
                lambda: readyz_versions(listener) == {version(V2)})  # fmt: skip
-    assert Counter(x["result"] for x in reload_lines(listener)) == {"applied": 2}
+
+    # Refused by the listener: the command says why, and exits 3.
+    new_prefix = config(("a", "c"), other="/hooks/new", settings="settings: {key_prefix: x}\n")
+    new_secret = config(("a", "c"), other="/hooks/new", extra=trigger("n", "wc", "/n", "NEW"))
+    for text, problem in [
+        (
+            new_prefix,
+            "settings.key_prefix changed (was 'realm', now 'x'); restart the listener to apply it",
+        ),
+        (new_secret, "trigger 'n': field 'verify.secret_env': environment variable NEW is not set"),
+    ]:
+        write(listener.config_path, text)
+        no = realm(workdir, "triggers", "reload")
+        assert (no.returncode, no.stdout) == (3, f"triggers.yaml: ok (version {version(text)})\n")
+        assert no.stderr == (
+            f"error: realm listen (pid {pid}) refused the file: {file}: {problem}; it still "
+            f"serves version {version(V2)}\n"
+        )
+    assert readyz_versions(listener) == {version(V2)}
+
+    # The same text again is applied again: the command waits for the answer to its own
+    # signal, not an earlier one.
+    write(listener.config_path, V2)
+    again = realm(workdir, "triggers", "reload")
+    assert (again.returncode, again.stdout) == (0, applied_it(pid, V2))
+    assert Counter(x["result"] for x in reload_lines(listener)) == {
+        "applied": 2 * workers, "refused": 2,
+    }  # fmt: skip
 
     listener.stop()
     assert not pid_file.exists()
+    assert not answer_path(pid_file).exists()
 
 
 def test_triggers_reload_with_a_pid_file_of_its_own(
@@ -427,15 +470,100 @@ def test_triggers_reload_with_a_pid_file_of_its_own(
     listener = start(V1, args=("--pid-file", str(pid_file)))
     assert listener.process is not None
     assert pid_file.read_text() == f"{listener.process.pid}\n"
-    assert not (listener.workdir / ".realm" / "listen.pid").exists()
+    assert list((listener.workdir / ".realm").glob("listen@*")) == []
     write(listener.config_path, V2)
     done = realm(listener.workdir, "triggers", "reload", "--pid-file", str(pid_file))
     assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout.endswith(SENT.format(pid=listener.process.pid))
-    wait_for_lines(listener, "applied", 1)
+    assert done.stdout == applied_it(listener.process.pid, V2)
+    assert answer_path(pid_file) == tmp_path / "run" / "realm.pid.reloaded"
+    assert json.loads(answer_path(pid_file).read_text())["generation"] == 1
     assert readyz_versions(listener, 1) == {version(V2)}
     listener.stop()
-    assert not pid_file.exists()
+    assert not pid_file.exists() and not answer_path(pid_file).exists()
+
+
+def test_listeners_sharing_a_data_folder_each_have_their_pid_file(
+    start: Callable[..., Listener], tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    one = start(V1, args=("--data-dir", str(shared)))
+    two = start(V1, args=("--data-dir", str(shared)))
+    assert one.process is not None and two.process is not None
+    files = sorted(shared.glob("listen@*.pid"))
+    assert [f.name for f in files] == sorted(
+        f"listen@127.0.0.1:{port}.pid" for port in (one.port, two.port)
+    )
+    # Which one? Not guessed.
+    run = realm(one.workdir, "triggers", "reload", "--data-dir", str(shared))
+    assert (run.returncode, run.stdout) == (2, "")
+    assert run.stderr == (
+        f"error: 2 listeners write pid files in {shared}: {files[0].name}, {files[1].name}; "
+        "pass --port (or --pid-file) to say which to reload\n"
+    )
+    # --port says which: only that one reloads.
+    write(one.config_path, V2)
+    done = realm(one.workdir, "triggers", "reload", "--data-dir", str(shared),
+                 "--port", str(one.port))  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, applied_it(one.process.pid, V2))
+    assert readyz_versions(one, 2) == {version(V2)}
+    assert readyz_versions(two, 2) == {version(V1)}
+    assert reload_lines(two) == []
+    # One stops: its file goes, the other's stays, and is now the only one.
+    one.stop()
+    assert [f.name for f in shared.glob("listen@*.pid")] == [f"listen@127.0.0.1:{two.port}.pid"]
+    write(two.config_path, V2)
+    done = realm(two.workdir, "triggers", "reload", "--data-dir", str(shared))
+    assert (done.returncode, done.stdout) == (0, applied_it(two.process.pid, V2))
+    # The port given must be a listener's.
+    run = realm(two.workdir, "triggers", "reload", "--data-dir", str(shared), "--port", "1")
+    assert (run.returncode, run.stdout) == (4, "")
+    assert run.stderr == (
+        f"error: no pid file at {shared}/listen@<host>:1.pid: is `realm listen` running? It "
+        "writes one there, or at its --pid-file: pass the same --data-dir (and --port), or "
+        "--pid-file\n"
+    )
+
+
+def fake_listener(workdir: Path, code: str) -> subprocess.Popen[bytes]:
+    """A process whose command line reads `realm listen` (as the real one's does) and
+    that runs ``code``; its pid in the default pid file of port 8000."""
+    process = subprocess.Popen([sys.executable, "-c", code, "realm", "listen"],
+                               stdout=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    (workdir / ".realm" / "listen@127.0.0.1:8000.pid").write_text(f"{process.pid}\n")
+    return process
+
+
+def test_a_listener_that_does_not_answer_in_time(workdir: Path) -> None:
+    deaf = fake_listener(
+        workdir,
+        "import signal, time\nsignal.signal(signal.SIGHUP, "
+        "signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)",
+    )
+    try:
+        run = realm(workdir, "triggers", "reload", "--timeout", "0.5")
+        assert (run.returncode, run.stdout) == (4, f"triggers.yaml: ok (version {version(V1)})\n")
+        assert run.stderr == (
+            f"error: sent SIGHUP to realm listen (pid {deaf.pid}), which did not answer within "
+            "0.5 s; its log says whether it applied the file\n"
+        )
+        assert deaf.poll() is None
+    finally:
+        deaf.kill()
+        deaf.wait()
+    # One that SIGHUP ends (as a listener too old to answer would not, but a process
+    # that stops): said at once, not after the timeout.
+    mortal = fake_listener(workdir, "import time\nprint('ready', flush=True)\ntime.sleep(60)")
+    try:
+        started = time.monotonic()
+        run = realm(workdir, "triggers", "reload")
+        assert time.monotonic() - started < 10
+        assert (run.returncode, run.stderr) == (
+            4, f"error: realm listen (pid {mortal.pid}) stopped before it answered\n",
+        )  # fmt: skip
+    finally:
+        mortal.kill()
+        mortal.wait()
 
 
 def test_listen_refuses_a_pid_file_it_cannot_write(
@@ -460,32 +588,36 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+PID_FILE = ".realm/listen@127.0.0.1:8000.pid"
+
+
 def test_triggers_reload_without_a_pid_file(workdir: Path) -> None:
-    run = realm(workdir, "triggers", "reload")
-    assert (run.returncode, run.stdout) == (4, "")
-    assert run.stderr == (
-        "error: no pid file at .realm/listen.pid: is `realm listen` running? It writes one "
-        "at <data-dir>/listen.pid, or at its --pid-file: pass the same --data-dir or "
-        "--pid-file\n"
-    )
+    for args, port in [((), "<port>"), (("--port", "8000"), "8000")]:
+        run = realm(workdir, "triggers", "reload", *args)
+        assert (run.returncode, run.stdout) == (4, "")
+        assert run.stderr == (
+            f"error: no pid file at .realm/listen@<host>:{port}.pid: is `realm listen` "
+            "running? It writes one there, or at its --pid-file: pass the same --data-dir "
+            "(and --port), or --pid-file\n"
+        )
 
 
 def test_triggers_reload_with_a_garbled_pid_file(workdir: Path) -> None:
-    (workdir / ".realm" / "listen.pid").write_text("12ab\n")
+    (workdir / PID_FILE).write_text("12ab\n")
     run = realm(workdir, "triggers", "reload")
     assert (run.returncode, run.stdout) == (4, "")
-    assert run.stderr == "error: .realm/listen.pid does not hold a process id\n"
+    assert run.stderr == f"error: {PID_FILE} does not hold a process id\n"
 
 
 def test_triggers_reload_with_a_stale_pid_file(workdir: Path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     pid = int(gone.stdout)
-    (workdir / ".realm" / "listen.pid").write_text(f"{pid}\n")
+    (workdir / PID_FILE).write_text(f"{pid}\n")
     run = realm(workdir, "triggers", "reload")
     assert (run.returncode, run.stdout) == (4, "")
     assert run.stderr == (
-        f"error: .realm/listen.pid names process {pid}, which is not running (a listener "
+        f"error: {PID_FILE} names process {pid}, which is not running (a listener "
         "that stopped without removing it); start `realm listen`\n"
     )
 
@@ -494,11 +626,11 @@ def test_triggers_reload_never_signals_another_program(workdir: Path) -> None:
     """The pid was reused by a program that SIGHUP would end: it is left alone."""
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (workdir / ".realm" / "listen.pid").write_text(f"{other.pid}\n")
+        (workdir / PID_FILE).write_text(f"{other.pid}\n")
         run = realm(workdir, "triggers", "reload")
         assert (run.returncode, run.stdout) == (4, "")
         assert run.stderr == (
-            f"error: .realm/listen.pid names process {other.pid}, which is not `realm listen` "
+            f"error: {PID_FILE} names process {other.pid}, which is not `realm listen` "
             "(the file is stale and the id now belongs to another program); it was not "
             "signalled\n"
         )
@@ -514,3 +646,46 @@ def test_triggers_reload_never_signals_another_program(workdir: Path) -> None:
     finally:
         other.kill()
         other.wait()
+
+
+# ---------------------------------------------------------------------------- ConfigMap volume
+
+
+def configmap_volume(folder: Path, text: str) -> None:
+    """Lay out (or update) ``folder`` as the kubelet lays out a ConfigMap volume:
+    triggers.yaml -> ..data/triggers.yaml, ..data -> a folder of this version's files,
+    swapped with one rename; the previous version's folder is then removed."""
+    old = (folder / "..data").resolve() if (folder / "..data").is_symlink() else None
+    fresh = folder / f"..{uuid.uuid4().hex[:8]}"
+    fresh.mkdir()
+    (fresh / "triggers.yaml").write_text(text)
+    (folder / "..data_tmp").symlink_to(fresh.name)
+    os.replace(folder / "..data_tmp", folder / "..data")
+    if not (folder / "triggers.yaml").is_symlink():
+        (folder / "triggers.yaml").unlink(missing_ok=True)
+        (folder / "triggers.yaml").symlink_to("..data/triggers.yaml")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_configmap_update_is_reloaded(
+    tmp_path: Path, db: redis_sync.Redis, module_redis: RedisServer, workers: int
+) -> None:
+    """A listener reads the file through its links, as a pod reads its mounted
+    ConfigMap: after the kubelet swaps in a new version (and removes the old folder),
+    a reload serves the new text."""
+    listener = Listener(tmp_path, V1, redis_url=module_redis.url, env=ENV, workers=workers)
+    configmap_volume(tmp_path, V1)
+    try:
+        all_started(listener.start())
+        assert listener.process is not None
+        configmap_volume(tmp_path, V2)
+        done = realm(tmp_path, "triggers", "reload")
+        assert (done.returncode, done.stderr, done.stdout) == (
+            0, "", applied_it(listener.process.pid, V2),
+        )  # fmt: skip
+        wait_until("every /readyz answer to show V2",
+                   lambda: readyz_versions(listener) == {version(V2)})  # fmt: skip
+    finally:
+        listener.stop()

@@ -23,6 +23,7 @@ from gateway.runners.handlers import (
     CommandHandler,
     HandlerFailed,
     build_handlers,
+    command_env,
     parse_handlers,
     run_command,
 )
@@ -155,13 +156,118 @@ async def test_an_output_the_store_refuses_fails_the_step_and_says_why(rstore: R
     assert run.error and run.error.startswith("output refused: output is ")
 
 
-async def test_a_runner_needs_a_handler_for_every_step(rstore: RunStore) -> None:
+async def test_a_runner_needs_a_handler_for_one_step_of_each_workflow_at_least(
+    rstore: RunStore, caplog: pytest.LogCaptureFixture
+) -> None:
     async def h(step: TakenStep) -> None:
         return None
 
-    with pytest.raises(ValueError, match="workflow 'sync': no handler for step"):
-        Runner(rstore, "sync", {"fetch": h})
-    Runner(rstore, ["sync", "once"], {"sync:fetch": h, "transform": h, "load": h, "only": h})
+    with pytest.raises(ValueError, match=r"^workflow 'sync': no handler for any of its steps$"):
+        Runner(rstore, "sync", {"other:fetch": h, "only": h})
+    caplog.set_level(logging.INFO, "realm.runner")
+    Runner(rstore, ["sync", "once"], {"sync:fetch": h, "transform": h, "only": h},
+           runner_id="r-part")  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "no handler here" in r.getMessage()]
+    assert said == ["runner r-part: no handler here for step load of workflow 'sync': left to "
+                    "runners that have one"]  # fmt: skip
+
+
+async def test_runners_with_handlers_for_some_steps_each_take_only_theirs(
+    rstore: RunStore,
+) -> None:
+    """Each step is handled by the runner that has its handler, once, as attempt 1: a
+    runner that reads another's step leaves it, with no lease and no attempt counted."""
+    seen: list[tuple[str, str, str, int]] = []
+
+    def handler(runner: str) -> Any:
+        async def handle(step: TakenStep) -> Any:
+            seen.append((runner, step.run_id, step.step, step.attempt))
+            return {"by": runner}
+
+        return handle
+
+    first = Runner(rstore, "sync", {"fetch": handler("first"), "load": handler("first")})
+    second = Runner(rstore, "sync", {"transform": handler("second")})
+    ids = [(await rstore.start_run("sync", {}, f"k{i}")).run_id for i in range(3)]
+    tasks = [asyncio.create_task(r.run()) for r in (first, second)]
+    try:
+
+        async def all_completed() -> bool:
+            return {(await rstore.get_run(i)).phase for i in ids} == {"completed"}
+
+        await until(all_completed, 30)
+    finally:
+        first.stop()
+        second.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    owner = {"fetch": "first", "transform": "second", "load": "first"}
+    assert sorted(seen) == sorted((owner[s], i, s, 1) for i in ids for s in owner)
+    assert first.counts == {"ok": 6, "failed": 0, "discarded": 0, "unrecorded": 0}
+    assert second.counts == {"ok": 3, "failed": 0, "discarded": 0, "unrecorded": 0}
+
+
+async def test_a_step_unknown_to_a_runners_config_is_left_to_one_that_knows_it(
+    redis: Redis,
+) -> None:
+    """A runner still on an older triggers.yaml (no step `two`) meets a run started with
+    the newer one: it leaves step two alone, and the runner that has its handler takes
+    it at once as attempt 1, not after the old runner's lease lapsed (30 s)."""
+    old = RunStore(redis, parse_config("version: 1\nworkflows:\n  job:\n    steps: [one]\n",
+                                       with_triggers=False), timeout=5.0)  # fmt: skip
+    new = RunStore(redis, parse_config(
+        "version: 1\nworkflows:\n  job:\n    steps: [one, two]\n", with_triggers=False),
+        timeout=5.0)  # fmt: skip
+
+    async def handle(step: TakenStep) -> Any:
+        return step.step
+
+    start = await new.start_run("job", {})
+    behind = Runner(old, "job", {"one": handle})
+    [one] = await behind.run_once()
+    assert (one.step, one.result) == ("one", "ok")
+    for _ in range(5):  # the old runner keeps looking: step two is not for it
+        assert await behind.run_once() == []
+    current = Runner(new, "job", {"one": handle, "two": handle})
+
+    async def taken() -> list[StepOutcome]:
+        return await current.run_once()
+
+    [two] = await until(taken, 10)  # well within the 30 s lease
+    assert (two.step, two.attempt, two.result) == ("two", 1, "ok")
+    assert (await new.get_run(start.run_id)).phase == "completed"
+
+
+async def test_reconfigure_swaps_the_handlers_between_takes_and_a_step_in_hand_keeps_its_own(
+    rstore: RunStore,
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    ran: list[tuple[str, str]] = []
+
+    async def v1(step: TakenStep) -> Any:
+        started.set()
+        await release.wait()
+        ran.append(("v1", step.run_id))
+
+    async def v2(step: TakenStep) -> Any:
+        ran.append(("v2", step.run_id))
+
+    first = await rstore.start_run("once", {})
+    runner = Runner(rstore, "once", {"only": v1}, concurrency=2)
+    task = asyncio.create_task(runner.run())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        runner.reconfigure({"only": v2})
+        with pytest.raises(ValueError, match="no handler for any of its steps"):
+            runner.reconfigure({"fetch": v2})  # refused: the last good one stays
+        second = await rstore.start_run("once", {})
+        await until(lambda: _phase_is(rstore, second.run_id, "completed"))
+        release.set()
+        await until(lambda: _phase_is(rstore, first.run_id, "completed"))
+    finally:
+        runner.stop()
+        await asyncio.wait_for(task, 10)
+    assert ran == [("v2", second.run_id), ("v1", first.run_id)]
 
 
 async def test_stop_finishes_the_step_in_hand_and_takes_no_more(rstore: RunStore) -> None:
@@ -305,9 +411,36 @@ def test_handlers_config_errors_are_one_line_naming_file_workflow_and_field() ->
         "{a: {http: 'ftp://h/', secret_env: S}}"
     )
     assert "field 'handlers.a.retries': unknown field" in error("{a: {command: [x], retries: 3}}")
-    specs = parse_handlers({"a": {"command": ["x"], "timeout": "500ms"}}, file="f",
-                           workflow="w", steps=["a"])  # fmt: skip
-    assert specs["a"] == CommandHandler(argv=("x",), timeout=0.5)
+    assert "field 'handlers.a.env': must be a list of environment variable names" in error(
+        "{a: {command: [x], env: AWS_PROFILE}}"
+    )
+    assert error("{a: {command: [x], env: ['s3cr3t value']}}").endswith(
+        "field 'handlers.a.env': entries must be environment variable names (letters, digits "
+        "and _, not starting with a digit), not values"
+    )  # and the value is not echoed
+    assert "field 'handlers.a.env': A is listed twice" in error("{a: {command: [x], env: [A, A]}}")
+    assert "field 'handlers.a.env': REALM_REDIS_URL: the gateway's own variables" in error(
+        "{a: {command: [x], env: [REALM_REDIS_URL]}}"
+    )
+    assert "field 'handlers.a.env': is for command handlers only" in error(
+        "{a: {http: 'http://h/', secret_env: S, env: [A]}}"
+    )
+    # A secret the file names elsewhere: an http handler's, another workflow's trigger's.
+    assert error("{a: {command: [x], env: [HOOK]}, b: {http: 'http://h/', secret_env: HOOK}}") == (
+        "x.yaml: workflow 'w': field 'handlers.a.env': HOOK holds a secret this file names (a "
+        "secret_env); secrets are never passed to a command"
+    )
+    with pytest.raises(ConfigError, match=r"'handlers\.a\.env': OLD holds a secret"):
+        parse_config(
+            "version: 1\nworkflows:\n  w:\n    steps: [a]\n"
+            "    handlers: {a: {command: [x], env: [PATH, OLD]}}\n"
+            "triggers:\n  t:\n    workflow: w\n    path: /t\n"
+            "    verify: {scheme: github, secret_env: [NEW, OLD]}\n",
+            file="x.yaml", with_triggers=False,  # realm work does not load the triggers
+        )  # fmt: skip
+    specs = parse_handlers({"a": {"command": ["x"], "timeout": "500ms", "env": ["AWS_PROFILE"]}},
+                           file="f", workflow="w", steps=["a"])  # fmt: skip
+    assert specs["a"] == CommandHandler(argv=("x",), timeout=0.5, env=("AWS_PROFILE",))
     with pytest.raises(ConfigError, match="S_UNSET is not set"):
         build_handlers({"w": parse_handlers({"a": {"http": "http://h/", "secret_env": "S_UNSET"}},
                                             file="f", workflow="w", steps=["a"])},
@@ -362,6 +495,63 @@ async def test_a_command_failing_or_timing_out_is_a_failure_and_its_process_grou
         return _zombie(child)
 
     await until(gone, 5)
+
+
+def test_a_commands_environment_is_the_minimal_one_and_what_its_env_lists() -> None:
+    runner_env = {
+        "PATH": "/bin", "HOME": "/home/r", "LANG": "C.UTF-8", "LC_ALL": "C", "TZ": "UTC",
+        "TMPDIR": "/tmp/r", "AWS_PROFILE": "ci", "OTHER": "x", "REALM_API_TOKEN": "t",
+        "REALM_REDIS_URL": "redis://:pw@h/0", "HOOK_SECRET": "whsec_x", "REALM_STEP": "forged",
+    }  # fmt: skip
+    spec = CommandHandler(argv=("env",), env=("AWS_PROFILE", "REALM_API_TOKEN", "UNSET"))
+    assert command_env(spec, taken("load", 3), runner_env) == {
+        "PATH": "/bin", "HOME": "/home/r", "LANG": "C.UTF-8", "LC_ALL": "C", "TZ": "UTC",
+        "TMPDIR": "/tmp/r", "AWS_PROFILE": "ci", "REALM_RUN_ID": "r-1",
+        "REALM_WORKFLOW": "sync", "REALM_STEP": "load", "REALM_ATTEMPT": "3",
+    }  # fmt: skip
+
+
+async def test_a_command_that_closed_its_output_still_times_out_and_its_group_dies(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "sleeper.pid"
+    closed = CommandHandler(
+        argv=("sh", "-c", f"exec >/dev/null 2>&1; sleep 30 & echo $! > {pidfile}; wait"),
+        timeout=0.5,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(HandlerFailed, match=r"^timed out after 0.5s$"):
+        await asyncio.wait_for(run_command(closed, taken()), 10)
+    assert time.monotonic() - t0 < 5
+    child = int(pidfile.read_text())
+    await until(lambda: _true(_gone(child)), 5)
+
+
+async def test_a_command_that_leaves_a_process_holding_its_output_ends_when_it_exits(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "daemon.pid"
+    # The background sleep inherits stdout and stderr, and keeps them open for 30 s.
+    daemonises = CommandHandler(
+        argv=("sh", "-c", f"sleep 30 & echo $! > {pidfile}; echo started; echo note >&2"),
+        timeout=5,
+    )
+    t0 = time.monotonic()
+    try:
+        assert await asyncio.wait_for(run_command(daemonises, taken()), 10) == "started"
+        assert time.monotonic() - t0 < 3
+        # Left running: a normal exit does not kill what the command started.
+        assert not _gone(int(pidfile.read_text()))
+    finally:
+        os.kill(int(pidfile.read_text()), 9)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return _zombie(pid)
 
 
 def _zombie(pid: int) -> bool:

@@ -19,6 +19,7 @@ from gateway.runners import metrics
 from gateway.serving import metrics as listener_metrics
 from gateway.store.runstore import RunStore
 from gateway.store.steps import RUNNERS_GROUP
+from tests.cluster import Cluster
 from tests.conftest import WORKFLOWS_YAML
 from tests.servers import free_port
 
@@ -84,6 +85,23 @@ async def test_waiting_and_taken_steps_and_the_oldest_age(store: RunStore, redis
 
 async def test_a_partitioned_workflow_sums_its_streams(redis: Redis) -> None:
     store = RunStore(redis, parse_config(PARTITIONED_YAML, file="t.yaml", with_triggers=False))
+    await _sums_its_streams(store, redis)
+
+
+@pytest.mark.slow
+async def test_a_partitioned_workflow_sums_its_streams_on_a_cluster(
+    cluster: Cluster, cluster_db: object
+) -> None:
+    """The partitions live on several primaries: the gauges' pipelined reads go to each."""
+    client = redis_client(cluster.seeds_url, 5.0)
+    try:
+        config = parse_config(PARTITIONED_YAML, file="t.yaml", with_triggers=False)
+        await _sums_its_streams(RunStore(client, config, timeout=5.0), client)
+    finally:
+        await client.aclose()
+
+
+async def _sums_its_streams(store: RunStore, redis: Redis) -> None:
     for i in range(20):
         await store.start_run("spread", {}, f"k{i}")
     streams = [keys.stream() for keys in store.partitions("spread")]

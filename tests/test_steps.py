@@ -14,6 +14,7 @@ from gateway.loading import parse_config
 from gateway.model.config import Config
 from gateway.model.errors import RealmError
 from gateway.store.keys import Keys
+from gateway.store.runs import TakenStep
 from gateway.store.runstore import RunStore
 from gateway.store.steps import RUNNERS_GROUP
 from gateway.store.sweep import sweep
@@ -217,3 +218,84 @@ async def test_a_second_runner_process_finds_the_group_there(
 
 async def _lease_of(redis: Redis, run_id: str) -> str:
     return (await redis.hget(Keys("realm", "job").run(run_id), "lease")).decode()
+
+
+async def _taken_once_ready(store: RunStore, runner: str, lease_ms: int) -> TakenStep:
+    """The next take of ``runner`` that gets a step (a lapsed lease is due soon)."""
+    got: list[TakenStep] = []
+
+    async def taken() -> bool:
+        got.extend(await store.take_steps("job", runner, lease_ms=lease_ms))
+        return bool(got)
+
+    await until(taken)
+    [step] = got
+    return step
+
+
+async def test_a_lease_that_lapses_on_the_last_attempt_fails_the_run(
+    jobs: RunStore, redis: Redis
+) -> None:
+    """A runner that never reports (killed by its handler, a poison payload) uses an
+    attempt each time its lease lapses: past max_attempts (2) the run fails, and the
+    step is never handed out a third time."""
+    run = await jobs.start_run("job", {}, "order-9")
+    [first] = await jobs.take_steps("job", "r1", lease_ms=100)
+    second = await _taken_once_ready(jobs, "r2", lease_ms=100)
+    assert (first.attempt, second.attempt) == (1, 2)
+    deadline = time.monotonic() + 10
+    while (ended := await jobs.get_run(run.run_id)).phase == "running":
+        again = await jobs.take_steps("job", "r3", lease_ms=100)
+        assert again == [], f"handed out past max_attempts: attempt {again[0].attempt}"
+        assert time.monotonic() < deadline, "the run did not fail"
+        await asyncio.sleep(0.05)
+    assert ended.phase == "failed"
+    assert ended.error == (
+        "the lease on step 'fetch' lapsed on its last attempt (2 of 2): its runner "
+        "neither reported nor extended it in time"
+    )
+    pointer = Keys("realm", "job").pointer("order-9")
+    assert await redis.hget(pointer, "phase") == b"failed", "the key's pointer says so too"
+    assert await pending(redis) == 0, "the step's entry was acknowledged"
+    assert await jobs.take_steps("job", "r3") == []
+    with pytest.raises(RealmError) as late:
+        await jobs.complete_step(run.run_id, "fetch", lease=second.lease)
+    assert late.value.code == "STATE_RUN_NOT_LIVE"
+
+
+async def test_a_new_step_is_taken_first_however_many_steps_others_hold(
+    jobs: RunStore, redis: Redis
+) -> None:
+    """200 steps held under valid leases, idle long enough to be looked at again: the
+    one new step goes to the next take, and no held step changes hands."""
+    await jobs.start_run_batch("job", [{"params": {"n": n}} for n in range(200)])
+    held = await jobs.take_steps("job", "holder", count=200, lease_ms=60_000)
+    assert len(held) == 200
+
+    async def all_idle() -> bool:  # past the idle time after which entries were re-claimed
+        rows = await redis.xpending_range(STREAM, RUNNERS_GROUP, "-", "+", 200)
+        return min(row["time_since_delivered"] for row in rows) > 1_100
+
+    await until(all_idle)
+    fresh = await jobs.start_run("job", {"n": "new"})
+    [taken] = await jobs.take_steps("job", "r2")
+    assert (taken.run_id, taken.attempt) == (fresh.run_id, 1)
+    assert await jobs.take_steps("job", "r3") == []
+    owners = await _pending_by_consumer(redis)
+    assert owners == {"holder": 200, "r2": 1}, "a held step was re-claimed"
+
+
+async def _pending_by_consumer(redis: Redis) -> dict[str, int]:
+    summary = await redis.xpending(STREAM, RUNNERS_GROUP)
+    return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"]}
+
+
+async def test_a_step_completed_without_output_hands_null_to_the_next(jobs: RunStore) -> None:
+    run = await jobs.start_run("job", {})
+    [fetch] = await jobs.take_steps("job", "r1")
+    await jobs.complete_step(run.run_id, "fetch", lease=fetch.lease, output={"sha": "abc"})
+    [build] = await jobs.take_steps("job", "r1")
+    assert build.output == {"sha": "abc"}
+    await jobs.complete_step(run.run_id, "build", lease=build.lease)  # no output
+    [ship] = await jobs.take_steps("job", "r1")
+    assert (ship.step, ship.output) == ("ship", None)

@@ -11,11 +11,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from gateway.link.connection import redis_client
 from gateway.loading import parse_config
 from gateway.model.config import Config
 from gateway.model.errors import ConfigError, StoreUnavailable
+from gateway.store import sweep as sweep_module
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import INDEX_CHUNK, Sweeper, sweep
 from tests.servers import free_port
@@ -29,6 +31,9 @@ workflows:
     stream_retention: 30s
   other:
     steps: [a]
+  queue:
+    steps: [a, b]
+    stream_retention: 1s
 """
 INDEX = "realm:{w}:runs"
 STREAM = "realm:{w}:stream"
@@ -103,14 +108,15 @@ async def test_a_call_checks_at_most_one_chunk_and_the_walk_goes_on_from_there(
     await _expire(redis, wstore, [r for r in ids if r not in live])
 
     first = await sweep(wstore, "w", max_calls=1)
-    # One call per index: the run index's first chunk, and the key index (150 keys,
-    # one chunk), whose keys are all gone but k0's (its run, ids[0], is live).
-    assert (first.calls, first.checked, first.removed) == (2, INDEX_CHUNK, INDEX_CHUNK - 2)
+    # One call per walk: the run index's first chunk, the key index (150 keys, one
+    # chunk), whose keys are all gone but k0's (its run, ids[0], is live), and the
+    # stream (nothing older than stream_retention).
+    assert (first.calls, first.checked, first.removed) == (3, INDEX_CHUNK, INDEX_CHUNK - 2)
     assert (first.keys_checked, first.keys_removed) == (150, 149)
     assert await redis.exists(POSITION) == 1
 
     rest = await sweep(wstore, "w")
-    assert (rest.calls, rest.checked, rest.wrapped) == (3, n - INDEX_CHUNK + 1, True)
+    assert (rest.calls, rest.checked, rest.wrapped) == (4, n - INDEX_CHUNK + 1, True)
     assert (rest.keys_checked, rest.keys_removed) == (1, 0)
     assert {m.decode() for m in await redis.zrange(INDEX, 0, -1)} == live
     assert first.removed + rest.removed == n - len(live)
@@ -124,10 +130,10 @@ async def test_replicas_share_one_walk(wstore: RunStore, redis: Redis):
     keys = wstore.keys("w")
     chunk = [m.decode() for m in await redis.zrange(INDEX, 0, INDEX_CHUNK - 1)]
     call = wstore.scripts.sweep
-    script_keys = [keys.runs(), keys.stream(), keys.sweep(), *(keys.run(r) for r in chunk)]
+    script_keys = [keys.runs(), keys.sweep(), *(keys.run(r) for r in chunk)]
 
-    one = await call(script_keys, ["", "123", 30_000, 10_000, 1, *chunk])
-    two = await call(script_keys, ["", "456", 30_000, 10_000, 1, *chunk])
+    one = await call(script_keys, ["", "123", "index", 1, "", "", "", "", *chunk])
+    two = await call(script_keys, ["", "456", "index", 1, "", "", "", "", *chunk])
 
     assert one[:2] == [b"swept", INDEX_CHUNK]
     assert two[:2] == [b"moved", 0]
@@ -201,12 +207,12 @@ async def test_a_key_claimed_again_after_the_sweep_read_it_stays_in_the_key_inde
     chunk = [m.decode() for m in await redis.zrange(KEY_INDEX, 0, -1)]
     assert chunk == [f"k{i}" for i in range(5)]
     again = await wstore.start_run("w", {}, "k2")
-    script_keys = [KEY_INDEX, STREAM, KEY_POSITION,
+    script_keys = [KEY_INDEX, KEY_POSITION,
                    *(n for k in chunk for n in (keys.pointer(k), keys.key_runs(k)))]  # fmt: skip
 
-    reply = await wstore.scripts.sweep(script_keys, ["", "", "", 10_000, 2, *chunk])
+    reply = await wstore.scripts.sweep(script_keys, ["", "", "index", 2, "", "", "", "", *chunk])
 
-    assert reply == [b"swept", 4, 0, b"0"]  # and the stream was left alone ('')
+    assert reply == [b"swept", 4, 0, b"0", 0]  # an index call leaves the stream alone
     assert await _key_index(redis) == {"k2"}
     assert (await redis.hget(keys.pointer("k2"), "run")).decode() == again.run_id
 
@@ -229,26 +235,119 @@ async def test_concurrent_sweeps_remove_every_gone_key_once(wstore: RunStore, re
     assert await _key_index(redis) == {f"k{i}" for i, r in enumerate(ids) if r in live}
 
 
+async def _read_and_acknowledge(redis: Redis, stream: str, n: int) -> None:
+    """A runner reads ``n`` entries through the runners' group and is done with them."""
+    [(_, read)] = await redis.xreadgroup("runners", "r1", {stream: ">"}, count=n)
+    assert len(read) == n
+    await redis.xack(stream, "runners", *(entry_id for entry_id, _ in read))
+
+
 async def test_the_stream_is_trimmed_by_age_back_to_empty(wstore: RunStore, redis: Redis):
-    """Entries older than stream_retention (30 s here) go, whole macro nodes first,
-    then exactly: nothing of an idle stream is left, however small."""
+    """Entries the runners read and acknowledged go once older than stream_retention
+    (30 s here), whole macro nodes first, then exactly: nothing of an idle stream is
+    left, however small."""
     now_ms = int((await redis.time())[0]) * 1000
+    await wstore.ensure_groups("w")
     old = 450  # several macro nodes (stream-node-max-entries is 100)
     for i in range(old):
         await redis.xadd(STREAM, {"run_id": f"old{i}", "step": "a"}, id=f"{now_ms - 60_000}-{i}")
+    await _read_and_acknowledge(redis, STREAM, old)
     ids = await _start(wstore, 5)
 
     report = await sweep(wstore, "w")
 
-    assert report.trimmed == old
+    assert (report.trimmed, report.entries_removed) == (old, 0)
     remaining = await redis.xrange(STREAM)
     assert [e[1][b"run_id"].decode() for e in remaining] == ids  # the new entries stay
     # A few old entries only (less than a macro node): the exact trim takes them.
     await redis.delete(STREAM)
     for i in range(3):
         await redis.xadd(STREAM, {"run_id": f"old{i}"}, id=f"{now_ms - 60_000}-{i}")
+    await redis.xgroup_create(STREAM, "runners", id="0")  # it went with the stream
+    await _read_and_acknowledge(redis, STREAM, 3)
     assert (await sweep(wstore, "w")).trimmed == 3
     assert await redis.xlen(STREAM) == 0
+
+
+async def _until_older_than(redis: Redis, stream: str, ms: int) -> None:
+    """Poll the server's clock until the stream's newest entry is older than ``ms``."""
+    [(newest, _)] = await redis.xrevrange(stream, count=1)
+
+    async def old_enough() -> bool:
+        seconds, micros = await redis.time()
+        return seconds * 1000 + micros // 1000 > int(newest.split(b"-")[0]) + ms
+
+    await _until(old_enough)
+
+
+async def test_a_step_no_runner_read_is_kept_however_old(wstore: RunStore, redis: Redis):
+    """No runner has read the stream yet, and it has no group: entries older than
+    stream_retention stay while their run needs them, for a runner that comes later;
+    the unread ones no run needs any more (ended, moved on) are deleted."""
+    stream = wstore.keys("queue").stream()
+    live = [(await wstore.start_run("queue", {"n": n})).run_id for n in range(3)]
+    cancelled = [(await wstore.start_run("queue", {})).run_id for _ in range(2)]
+    for run_id in cancelled:
+        await wstore.cancel_run(run_id)
+    moved_on = (await wstore.start_run("queue", {})).run_id
+    await wstore.complete_step(moved_on, "a")  # by an operator: no runner read its entry
+    assert await redis.xlen(stream) == 7
+    await _until_older_than(redis, stream, 1000)
+
+    report = await sweep(wstore, "queue")
+
+    left = [(f[b"run_id"].decode(), f[b"step"].decode()) for _, f in await redis.xrange(stream)]
+    assert left == [(r, "a") for r in live] + [(moved_on, "b")]
+    assert (report.entries_checked, report.entries_removed, report.trimmed) == (7, 3, 0)
+    [group] = await redis.xinfo_groups(stream)  # made by the sweep, from the first entry
+    assert (group["name"], group["last-delivered-id"]) == (b"runners", b"0-0")
+    # A runner deployed now is handed every one of them.
+    taken = await wstore.take_steps("queue", "latecomer", count=10)
+    assert sorted((t.run_id, t.step) for t in taken) == sorted(left)
+
+
+async def test_consumers_that_left_are_deleted_a_few_per_call(
+    wstore: RunStore, redis: Redis, monkeypatch: pytest.MonkeyPatch
+):
+    """A consumer idle past the bound with nothing pending has left: deleted, at most
+    CONSUMER_LIMIT per call. One holding a step stays, however idle, and one that
+    read lately stays."""
+    stream = wstore.keys("queue").stream()
+    for n in range(7):
+        await wstore.start_run("queue", {"n": n})
+    [held] = await wstore.take_steps("queue", "holder")
+
+    async def read_one(consumer: str) -> None:
+        """A runner takes an entry and is done with it (raw commands: XAUTOCLAIM, as
+        take_steps sends it, would move the held entry to whoever calls it)."""
+        [(_, [(entry_id, _)])] = await redis.xreadgroup("runners", consumer, {stream: ">"}, 1)
+        await redis.xack(stream, "runners", entry_id)
+
+    for i in range(5):  # runners that did their work and went away
+        await read_one(f"gone{i}")
+
+    async def consumers() -> dict[str, dict]:
+        found = await redis.xinfo_consumers(stream, "runners")
+        return {c["name"].decode(): c for c in found}
+
+    async def all_idle() -> bool:
+        return all(c["idle"] >= 2000 for c in (await consumers()).values())
+
+    await _until(all_idle)
+    await read_one("recent")  # a runner still there
+    monkeypatch.setattr(sweep_module, "CONSUMER_LIMIT", 2)
+
+    deleted = [
+        (await sweep(wstore, "queue", consumer_idle_ms=2000)).consumers_removed for _ in range(4)
+    ]
+
+    assert deleted == [2, 2, 1, 0]
+    left = await consumers()
+    assert sorted(left) == ["holder", "recent"]
+    assert left["holder"]["pending"] == 1 and left["holder"]["idle"] >= 2000
+    # Nothing of the held step was lost: its runner reports it.
+    done = await wstore.complete_step(held.run_id, "a", lease=held.lease, entry_id=held.entry_id)
+    assert done.next_step == "b"
 
 
 async def test_stream_retention_defaults_to_retention_and_is_checked():
@@ -334,10 +433,14 @@ def _at_least(sweeper: Sweeper, ticks: int) -> Callable[[], Awaitable[bool]]:
 
 async def test_a_busy_server_is_unavailable_not_an_error(start_redis, sweep_config: Config):
     """BUSY (a script past busy-reply-threshold) means "not now": StoreUnavailable,
-    which the background loop logs once and retries."""
+    which the background loop logs once and retries. The sweep's first command is a
+    pipeline (its position and the server's clock), whose error redis-py rewrites as
+    "Command # 1 (GET …) of pipeline caused error: ('BUSY …',)": the reply inside is
+    what counts. The test waits until the server answers BUSY before it sweeps."""
     server = start_redis("--busy-reply-threshold", "50")
     client = redis_client(server.url, 5.0)
     blocker = redis_client(server.url, 5.0)
+    await asyncio.gather(client.ping(), blocker.ping())  # both connected before the script
     busy = asyncio.create_task(
         blocker.eval(
             "local t = redis.call('TIME')[1] while redis.call('TIME')[1] - t < 10 do end", 0
@@ -346,15 +449,24 @@ async def test_a_busy_server_is_unavailable_not_an_error(start_redis, sweep_conf
     try:
         store = RunStore(client, sweep_config, timeout=5.0)
 
-        async def refused_busy() -> bool:
+        async def answers_busy() -> bool:
             try:
-                await sweep(store, "w")
-            except StoreUnavailable as exc:
-                assert "BUSY" in exc.message, exc.message
+                await client.ping()
+            except ResponseError as exc:
+                assert str(exc).startswith("BUSY "), exc
                 return True
             return False
 
-        await _until(refused_busy)
+        await _until(answers_busy)
+
+        with pytest.raises(StoreUnavailable) as swept:
+            await sweep(store, "w")
+        assert swept.value.message.startswith("Redis refused the call: BUSY Redis is busy")
+        # Any pipelined read of the store is classified the same way (get_run reads
+        # the run hash of every workflow in one pipeline).
+        with pytest.raises(StoreUnavailable) as read:
+            await store.get_run("0" * 32)
+        assert read.value.message.startswith("Redis refused the call: BUSY Redis is busy")
     finally:
         await client.script_kill()
         with pytest.raises(Exception, match="killed"):

@@ -130,7 +130,7 @@ def test_login_sets_a_cookie_that_is_not_the_token(gateway: Listener, db: redis_
         assert (right.status_code, right.headers["location"]) == (303, "/ui/runs?phase=running")
         cookie = right.headers["set-cookie"]
         value = re.match(r"realm_ui=([^;]+);", cookie).group(1)  # type: ignore[union-attr]
-        assert TOKEN not in value and re.fullmatch(r"[0-9]{10}\.[0-9a-f]{64}", value)
+        assert TOKEN not in value and re.fullmatch(r"[0-9]{10}\.[0-9a-f]{32}\.[0-9a-f]{64}", value)
         attributes = {part.strip().lower() for part in cookie.split(";")[1:]}
         assert attributes == {
             "httponly",
@@ -292,7 +292,7 @@ def test_a_delivery_shows_each_decision_headers_and_body(ui: httpx.Client):
             "<details><summary>params</summary><pre>{}</pre></details>",
             "Decision": '<span class="badge started">started</span>',
             "Run": f'<a class="id" href="/ui/runs/{run_id}">{run_id}</a> '
-            '<span class="hint">(running)</span>',
+            '<span class="badge running">running</span>',
             "Why": f"Run &#x27;{run_id}&#x27; created for workflow &#x27;sync&#x27;. Ready for "
             "the agent: &#x27;fetch&#x27;.",
         },
@@ -316,6 +316,31 @@ def test_a_delivery_shows_each_decision_headers_and_body(ui: httpx.Client):
     assert f'<pre id="body">{pretty}</pre>' in page.text
     size = len(json.dumps(body))  # as sent
     assert f'<p class="hint">{size} bytes, JSON, re-indented</p>' in page.text
+
+
+def test_a_delivery_shows_its_runs_phase_now_and_at_delivery(
+    ui: httpx.Client, api: httpx.Client, db: redis_sync.Redis
+):
+    first = send(ui, "now-1", {"kind": "push"}).json()["results"][0]["run_id"]
+    second = send(ui, "now-2", {"kind": "push"}).json()["results"][0]["run_id"]
+    both = delivery_ids(ui, 2)
+    assert api.post(f"/v1/runs/{first}/cancel").json() == {"cancelled": True}
+    # The second run's record is gone, as when it expires.
+    assert db.delete(*db.scan_iter(f"*:run:{second}")) == 1
+
+    cells = {}  # each delivery's first Run cell, by the run it names
+    for delivery_id in both:
+        page = ui.get(f"/ui/deliveries/{delivery_id}")
+        assert page.status_code == 200, page.text
+        cell = re.findall(r'<td data-label="Run">(.*?)</td>', page.text)[0]
+        cells[re.search(r'href="/ui/runs/([0-9a-f-]{36})"', cell).group(1)] = cell  # type: ignore[union-attr]
+    link = '<a class="id" href="/ui/runs/{0}">{0}</a>'
+    assert cells == {
+        first: link.format(first) + ' <span class="badge cancelled">cancelled</span>'
+        '<br><span class="hint">running at delivery</span>',
+        second: link.format(second) + ' <span class="hint">(gone)</span>'
+        '<br><span class="hint">running at delivery</span>',
+    }
 
 
 def test_filters_of_the_delivery_list(ui: httpx.Client):

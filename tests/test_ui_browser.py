@@ -34,12 +34,15 @@ from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
+# The Debian packages missing, named in the skip reason with the command that installs them.
+MISSING = [name for name, found in (("chromium", CHROMIUM), ("chromium-driver", CHROMEDRIVER))
+           if found is None]  # fmt: skip
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        CHROMIUM is None or CHROMEDRIVER is None,
-        reason="Debian's chromium and chromium-driver are not installed "
-        "(apt-get install chromium chromium-driver)",
+        bool(MISSING),
+        reason=f"Debian's {' and '.join(MISSING)} {'is' if len(MISSING) == 1 else 'are'} not "
+        "installed (apt-get install chromium chromium-driver; .ci/run installs them)",
     ),
 ]
 
@@ -222,7 +225,7 @@ def test_filter_and_open_a_delivery(page: Any, hooks: httpx.Client, gateway: Lis
     assert page.find_element(By.ID, "body").text == json.dumps(body, indent=2)
     decisions = texts(page, "#triggers td[data-label=Decision]")
     assert decisions == ["started", "ignored"]
-    assert texts(page, "#triggers td[data-label=Run]") == [f"{run_id} (running)", ""]
+    assert texts(page, "#triggers td[data-label=Run]") == [f"{run_id} running", ""]
     assert texts(page, "#triggers td[data-label=Signature]") == ["verified", "verified"]
     assert texts(page, "#triggers td[data-label=When]") == [
         "held",
@@ -248,7 +251,7 @@ def test_replay_then_rerun(page: Any, hooks: httpx.Client, api: httpx.Client, ga
     assert texts(page, "p.notice") == ["Replayed: this is the new delivery the replay recorded."]
     assert page.find_element(By.XPATH, "//th[.='Replay of']/following-sibling::td").text == original
     assert texts(page, "#triggers td[data-label=Decision]") == ["deduplicated", "ignored"]
-    assert texts(page, "#triggers td[data-label=Run]") == [f"{first_run} (running)", ""]
+    assert texts(page, "#triggers td[data-label=Run]") == [f"{first_run} running", ""]
     assert texts(page, "#triggers td[data-label=Signature]") == ["not checked (a replay)"] * 2
     screenshot(page, "replayed")
 
@@ -268,6 +271,12 @@ def test_replay_then_rerun(page: Any, hooks: httpx.Client, api: httpx.Client, ga
     assert lineage[1].startswith(f"{first_run} cancelled created ")
     assert api.get(f"/v1/runs/{new_run}").json()["rerun_of"] == first_run
     screenshot(page, "run-lineage", full=True)
+    # The first delivery's page: its run as it is now, and as it was then.
+    page.get(f"{gateway.base_url}/ui/deliveries/{original}")
+    assert texts(page, "#triggers td[data-label=Run]") == [
+        f"{first_run} cancelled\nrunning at delivery",
+        "",
+    ]
 
 
 def test_cancel_a_run(page: Any, api: httpx.Client, gateway: Listener):

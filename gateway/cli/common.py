@@ -2,14 +2,16 @@
 config and the store, opening the store, and reporting coded errors.
 
 Exit codes: 0 ok, 1 refused (``status: error`` with a code), 2 usage,
-3 bad config, 4 store unavailable (``triggers reload``: no listener to signal),
-5 ``listen`` cannot bind its --host/--port.
+3 bad config (``triggers reload``: also a file the listener refused), 4 store
+unavailable (``triggers reload``: no listener to signal, or no answer), 5 ``listen``
+cannot bind its --host/--port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
@@ -18,6 +20,7 @@ import click
 import orjson
 
 from gateway.ingest import replies
+from gateway.ingest.observe import LOG_FORMAT_ENV, LOG_FORMATS
 from gateway.link.connection import (
     DEFAULT_DATA_DIR,
     BadRedisUrl,
@@ -38,6 +41,7 @@ EXIT_UNAVAILABLE = 4
 EXIT_ADDRESS = 5
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("realm")
 T = TypeVar("T")
 
 
@@ -75,7 +79,15 @@ data_dir_option = click.option(
 pid_file_option = click.option(
     "--pid-file", default=None, envvar="REALM_PID_FILE", type=click.Path(dir_okay=False),
     help="Where `realm listen` writes its process id, for `realm triggers reload` "
-    "[default: <data-dir>/listen.pid]. [env: REALM_PID_FILE]",
+    "[default: <data-dir>/listen@<host>:<port>.pid]. [env: REALM_PID_FILE]",
+)  # fmt: skip
+
+# The long-running commands (`realm listen`, `realm work`) log in one format throughout.
+log_format_option = click.option(
+    "--log-format", type=click.Choice(LOG_FORMATS), default=LOG_FORMATS[0],
+    show_default=True, envvar=LOG_FORMAT_ENV,
+    help="Log lines on stderr as JSON objects (with a timestamp) or as plain text. "
+    f"[env: {LOG_FORMAT_ENV}]",
 )  # fmt: skip
 
 
@@ -98,6 +110,7 @@ def with_store(
     *,
     starts: bool = False,
     with_triggers: bool = False,
+    logs: bool = False,
 ) -> T:
     """Load the workflows, open the store (embedded or not), run ``work`` on it.
 
@@ -106,12 +119,16 @@ def with_store(
     checks the workflows' partitions against the store's record; ``starts`` (a
     command that starts runs) also records them the first time, so a command that
     only reads, or a dry run, writes nothing. ``with_triggers``: the triggers too,
-    which needs their webhook secrets (a replay of a delivery).
+    which needs their webhook secrets (a replay of a delivery). ``logs``: the command
+    writes log lines (``realm work``), and the store it uses is said in one too.
     """
     config = load_config_or_exit(config_path, with_triggers=with_triggers)
     try:
         with redis_target(redis_url, data_dir) as target:
-            click.echo(f"using {target.description}", err=True)
+            if logs:
+                log.info("using %s", target.description)
+            else:
+                click.echo(f"using {target.description}", err=True)
 
             async def run() -> T:
                 client = redis_client(target.url, config.settings.redis_timeout)

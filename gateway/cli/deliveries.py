@@ -145,10 +145,11 @@ def deliveries_replay(
     """Send a stored delivery through matching again, with the triggers of --config as
     they are now (fixed since, say), and record it as a replay of DELIVERY_ID.
 
-    It was verified when it arrived and is not verified again, but the triggers are
-    loaded as `realm listen` loads them: their webhook secrets must be set in the
-    environment. By default the triggers' policies apply, so a replay of a delivery
-    that started a run is deduplicated to that run; --rerun starts new ones."""
+    Its signature is not kept: only the triggers that verified it on arrival, under the
+    same verify spec as now, may start runs (the others answer unverified, saying why).
+    The triggers are loaded as `realm listen` loads them: their webhook secrets must be
+    set in the environment. By default the triggers' policies apply, so a replay of a
+    delivery that started a run is deduplicated to that run; --rerun starts new ones."""
     from gateway.deliveries import log
 
     log.check_delivery_id(delivery_id)

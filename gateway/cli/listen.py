@@ -12,10 +12,11 @@ from gateway.cli.common import (
     EXIT_CONFIG,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    load_config_or_exit,
+    log_format_option,
     pid_file_option,
     server_options,
 )
+from gateway.ingest.observe import setup_logging
 from gateway.link.embedded import ServerNotFound
 from gateway.model.errors import ConfigError
 from gateway.serving.pidfile import PidFileError
@@ -47,6 +48,7 @@ from gateway.serving.pidfile import PidFileError
 )
 @server_options
 @pid_file_option
+@log_format_option
 def listen(
     config_path: str,
     host: str,
@@ -55,15 +57,23 @@ def listen(
     redis_url: str | None,
     data_dir: str,
     pid_file: str | None,
+    log_format: str,
 ) -> None:
     """Receive webhooks and turn verified deliveries into runs. SIGHUP (or `realm
     triggers reload`) reloads the config file without a restart."""
     # uvicorn and the app: some 70 ms that every other command need not wait.
-    from gateway.serving.listen import CannotBind, serve
+    from gateway.serving.listen import CannotBind, read_config, serve
 
-    config = load_config_or_exit(config_path, with_triggers=True)
     try:
-        serve(config, host=host, port=port, workers=workers, redis_url=redis_url,
+        # The text too: the listener serves the text checked here, whatever the file
+        # holds by the time its workers start.
+        text, config = read_config(config_path)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    setup_logging(log_format)  # before serve(): every line from here on, workers' too
+    try:
+        serve(config, text=text, host=host, port=port, workers=workers, redis_url=redis_url,
               data_dir=data_dir, pid_file=pid_file)  # fmt: skip
     except CannotBind as exc:
         click.echo(f"error: {exc}", err=True)

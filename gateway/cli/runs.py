@@ -13,6 +13,7 @@ import orjson
 from gateway.cli.common import emit, report_error, reports_errors, store_options, with_store
 from gateway.ingest import replies
 from gateway.model.errors import StoreUnavailable
+from gateway.model.words import plural
 from gateway.store.paging import list_runs_across
 from gateway.store.reconcile import count_runs, reconcile
 from gateway.store.runs import LIVE_MATCH, PARAMS_MISMATCH, PHASES, TERMINAL_MATCH, Run, new_run_id
@@ -341,8 +342,8 @@ def run_reconcile(
             def plain(groups: int, runs: int) -> None:
                 if groups - shown[0] >= step:
                     shown[0] = groups
-                    click.echo(f"reconcile: {groups} key group(s), {runs} run(s) checked",
-                               err=True)  # fmt: skip
+                    click.echo(f"reconcile: {plural(groups, 'key group')}, "
+                               f"{plural(runs, 'run')} checked", err=True)  # fmt: skip
 
             return await reconcile(store, workflow=workflow, dry_run=dry_run, progress=plain,
                                    scan=scan)  # fmt: skip

@@ -1,39 +1,51 @@
 """The delivery log: every delivery the listener answered, kept in Redis to be listed,
 looked at and replayed (``realm deliveries``, ``/v1/deliveries``, MCP, ``/ui``).
 
-A record holds the received time, path, status, each trigger's decision (outcome,
-run, event id, code and why), the headers without anything that authenticates the
-sender, and the body when ``settings.store_bodies`` allows it (cut at
-``settings.max_stored_body_bytes``, and then marked truncated). A refused delivery
-(401, 413, 503, ...) is recorded with its status and reason only: no header, no body.
+What a record holds is in gateway/deliveries/records.py; how each worker writes the
+log (every 100 ms, bounded, trimmed to ``settings.delivery_retention`` and
+``settings.max_deliveries``) in gateway/deliveries/writing.py. Here: listing it,
+one record, and replaying a stored delivery through the request path. The names the
+other layers use are all importable from here.
 
-Recording costs a delivery one append to a list: each worker's ``DeliveryRecorder``
-writes what gathered in one script call every 100 ms (record_deliveries.lua), and
-that call also trims the log to ``settings.delivery_retention`` and
-``settings.max_deliveries``. The log is a record of what happened, not part of the
-run-start promise: records still buffered when a worker dies, or refused by a full
-Redis, are lost and counted (``realm_delivery_log_dropped_total``).
-
-Ids are ``dlv-<ms, 12 hex digits>-<8 random hex digits>``: they sort by time, so
-the index is a sorted set ordered by id alone and a cursor is the last id seen.
+Both scripts name every key they touch (a cluster routes a script by its keys, and
+refuses one that reaches a key it was not told of while a slot moves): a page reads
+the ids from the indexes first, then hands the script the records to examine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
-import logging
+import heapq
 import re
-import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import orjson
-from prometheus_client import Counter
+from redis.asyncio import Redis
 
+from gateway.deliveries.records import (
+    DELIVERY_ID,
+    OUTCOMES,
+    LogKeys,
+    build_record,
+    check_delivery_id,
+    id_floor,
+    kept_headers,
+    new_delivery_id,
+    on_arrival,
+    verify_fingerprint,
+)
+from gateway.deliveries.writing import (
+    DELIVERY_LOG_DROPPED,
+    MAX_BUFFERED,
+    WRITE_CHUNK,
+    DeliveryRecorder,
+    refused_cap,
+    write_records,
+)
 from gateway.ingest.delivery import handle
 from gateway.ingest.received import Received
 from gateway.ingest.triggers import Trigger
@@ -42,272 +54,38 @@ from gateway.model.config import Settings
 from gateway.model.errors import RealmError
 from gateway.store.runstore import RunStore
 
-log = logging.getLogger("realm")
+__all__ = [
+    "DELIVERY_ID",
+    "DELIVERY_LOG_DROPPED",
+    "EXAMINE",
+    "MAX_BUFFERED",
+    "MAX_LIMIT",
+    "OUTCOMES",
+    "STATUS_FILTER",
+    "WRITE_CHUNK",
+    "DeliveryFilter",
+    "DeliveryRecorder",
+    "LogKeys",
+    "Received",
+    "build_record",
+    "check_delivery_id",
+    "get_delivery",
+    "id_floor",
+    "kept_headers",
+    "list_deliveries",
+    "new_delivery_id",
+    "refused_cap",
+    "replay",
+    "replay_input",
+    "verify_fingerprint",
+    "with_body",
+    "write_records",
+]
 
-DELIVERY_LOG_DROPPED = Counter(
-    "realm_delivery_log_dropped_total",
-    "Delivery log records a worker dropped unwritten (Redis refused them for longer "
-    "than its buffer lasts); the deliveries themselves were answered",
-)
-
-DELIVERY_ID = re.compile(r"dlv-[0-9a-f]{12}-[0-9a-f]{8}")
-OUTCOMES = ("started", "deduplicated", "refused", "ignored", "unverified")
 STATUS_FILTER = re.compile(r"[1-5](?:[0-9]{2}|xx)")
 MAX_LIMIT = 1000
 # Ids one list call examines under a filter: a bounded step, never the whole log.
 EXAMINE = 1000
-FLUSH_SECONDS = 0.1
-WRITE_CHUNK = 32  # records per script call (~100 KB of 3 KB deliveries)
-TRIM_SECONDS = 1.0  # an idle worker's trim of the log, without records to write
-# Records one worker buffers while Redis does not take them; older ones are dropped.
-MAX_BUFFERED = 10_000
-
-# Header names that authenticate the sender (a signature, a token, a session) are
-# never stored: a stored signature could be replayed by whoever reads the log. The
-# scheme's own header is dropped too (gateway/signatures/verify.py names it), whatever it is called.
-_SECRET_WORDS = ("signature", "token", "secret", "auth", "cookie", "hmac", "api-key",
-                 "apikey", "password", "session", "credential")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LogKeys:
-    """The delivery log's keys: one hash tag, so each script runs in one slot. The tag
-    holds a ':', which no workflow name may, so it never meets a workflow's tag."""
-
-    prefix: str
-
-    @property
-    def base(self) -> str:
-        return f"{self.prefix}:{{deliveries:log}}:d:"
-
-    def record(self, delivery_id: str) -> str:
-        return self.base + delivery_id
-
-    @property
-    def index(self) -> str:
-        return f"{self.prefix}:{{deliveries:log}}:index"
-
-    @property
-    def refused(self) -> str:
-        return f"{self.prefix}:{{deliveries:log}}:refused"
-
-
-def new_delivery_id(received_ms: int) -> str:
-    return f"dlv-{received_ms:012x}-{secrets.token_hex(4)}"
-
-
-def id_floor(since_ms: int) -> str:
-    """The smallest id a delivery received at ``since_ms`` or later can have."""
-    return f"dlv-{max(since_ms, 0):012x}-00000000"
-
-
-def check_delivery_id(delivery_id: str) -> None:
-    if not DELIVERY_ID.fullmatch(delivery_id):
-        shown = repr(delivery_id if len(delivery_id) <= 40 else delivery_id[:40] + "…")
-        raise RealmError(
-            "VALIDATION_PARAMS",
-            f"delivery id {shown} is not one (ids look like dlv-0193a1b2c3d4-5e6f7a8b)",
-        )
-
-
-def kept_headers(
-    raw: Iterable[tuple[bytes, bytes]], triggers: Sequence[Trigger]
-) -> list[list[str]]:
-    """The request's headers as the log keeps them: names lower-case, in order, every
-    signature, token and cookie header left out."""
-    dropped = {t.verify.header.lower() for t in triggers if t.verify.header}
-    kept = []
-    for name_bytes, value_bytes in raw:
-        name = name_bytes.decode("latin-1").lower()
-        if name in dropped or any(word in name for word in _SECRET_WORDS):
-            continue
-        kept.append([name, _text(value_bytes)])
-    return kept
-
-
-def _text(value: bytes) -> str:
-    try:
-        return value.decode()
-    except UnicodeDecodeError:
-        return value.decode("latin-1")
-
-
-def build_record(item: Received, settings: Settings) -> tuple[str, list[str | bytes]]:
-    """The record of one delivery: its id and the script's 8 values for it."""
-    reply = item.reply
-    delivery_id = item.delivery_id or new_delivery_id(item.received_ms)
-    verified = reply.verified
-    triggers = [
-        {
-            "trigger": r.trigger,
-            "workflow": r.workflow,
-            "outcome": r.outcome,
-            "run_id": r.run_id,
-            "event_id": r.event_id,
-            "deduped": r.deduped,
-            "rerun_of": r.rerun_of,
-            "phase": r.phase,
-            "code": r.code,
-            "message": r.message,
-            "signature": r.signature,
-            "matched": r.matched,
-            "why_not": r.why_not,
-            "key": r.key,
-            "params": r.params,
-            **({"params_mismatch": True} if r.params_mismatch else {}),
-        }
-        for r in reply.walk or reply.results
-    ]
-    doc: dict[str, Any] = {
-        "delivery_id": delivery_id,
-        "received_ms": item.received_ms,
-        "path": item.path,
-        "status": reply.status,
-        "code": reply.body.get("code"),
-        "message": reply.body.get("message"),
-        "ms": round(item.ms, 2),
-        "config_version": item.version,
-        "replay_of": item.replay_of,
-        "rerun": item.rerun,
-        "triggers": triggers,
-        "headers": None,
-        "body": None,
-        "body_encoding": None,
-        "body_size": None,
-        "body_truncated": False,
-    }
-    # The body is kept as its own field, as raw bytes: inside the JSON it would be
-    # escaped (and base64'd when binary) on every delivery, where it is read rarely.
-    # get_delivery puts it back into the record.
-    kept = b""
-    if verified:
-        doc["headers"] = kept_headers(item.headers, item.triggers)
-        body = item.body or b""
-        doc["body_size"] = len(body)
-        if settings.store_bodies:
-            kept = body[: settings.max_stored_body_bytes]
-            doc["body_truncated"] = len(kept) < len(body)
-            doc["body_encoding"] = "stored"
-    outcomes = "," + ",".join(t["outcome"] for t in triggers) + ","
-    summary = {
-        "delivery_id": delivery_id,
-        "received_ms": item.received_ms,
-        "path": item.path,
-        "status": reply.status,
-        "code": doc["code"],
-        "outcomes": [
-            {"trigger": t["trigger"], "outcome": t["outcome"], "run_id": t["run_id"]}
-            for t in triggers
-        ],
-        "replay_of": item.replay_of,
-    }
-    values = [
-        delivery_id,
-        "v" if verified else "r",
-        item.path,
-        str(reply.status),
-        outcomes,
-        orjson.dumps(summary),
-        orjson.dumps(doc),
-        kept,
-    ]
-    return delivery_id, values
-
-
-class DeliveryRecorder:
-    """One worker's writer of the delivery log: ``add`` on the hot path, one script
-    call per ``FLUSH_SECONDS`` for everything added meanwhile."""
-
-    def __init__(self, store: RunStore, settings: Settings) -> None:
-        self.store = store
-        self.settings = settings  # replaced on a reload (gateway/serving/reload.py)
-        self._buffer: list[Received] = []
-
-    def add(self, item: Received) -> None:
-        if not self.settings.delivery_log:
-            return
-        buffer = self._buffer
-        buffer.append(item)
-        if len(buffer) > MAX_BUFFERED:
-            del buffer[: len(buffer) - MAX_BUFFERED]
-            DELIVERY_LOG_DROPPED.inc()
-
-    async def flush(self) -> None:
-        """Write what is buffered; on failure keep it for the next flush (up to the cap)."""
-        items, self._buffer = self._buffer, []
-        if not items:
-            return
-        try:
-            await write_records(self.store, self.settings, items)
-        except Exception as exc:  # Redis down or full: the deliveries were answered anyway
-            self._buffer[:0] = items
-            excess = len(self._buffer) - MAX_BUFFERED
-            if excess > 0:
-                del self._buffer[:excess]
-                DELIVERY_LOG_DROPPED.inc(excess)
-            log.warning(
-                '{"event":"delivery_log","level":"warning","error":"%s","buffered":%d}',
-                type(exc).__name__, len(self._buffer),
-            )  # fmt: skip
-
-    async def run(self) -> None:
-        """Runs for the life of the app; a last flush happens at shutdown (``close``).
-        While nothing is recorded it still trims every ``TRIM_SECONDS``, so the log
-        empties once its retention has passed, with no delivery to trigger it."""
-        idle = 0.0
-        while True:
-            await asyncio.sleep(FLUSH_SECONDS)
-            if self._buffer:
-                idle = 0.0
-                await self.flush()
-                continue
-            idle += FLUSH_SECONDS
-            if idle >= TRIM_SECONDS and self.settings.delivery_log:
-                idle = 0.0
-                with contextlib.suppress(Exception):  # the next flush or trim tries again
-                    await write_records(self.store, self.settings, [])
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.flush(), self.store.timeout)
-
-
-async def write_records(
-    store: RunStore, settings: Settings, items: Sequence[Received]
-) -> list[str]:
-    """Write ``items`` to the log now; their ids, in order. At most ``WRITE_CHUNK``
-    records go in one script call: a script holds Redis while it runs, and the claims
-    waiting behind one large call would see its whole length as latency."""
-    if len(items) <= WRITE_CHUNK:
-        return await _write_chunk(store, settings, items)
-    ids: list[str] = []
-    for start in range(0, len(items), WRITE_CHUNK):
-        ids += await _write_chunk(store, settings, items[start : start + WRITE_CHUNK])
-    return ids
-
-
-async def _write_chunk(store: RunStore, settings: Settings, items: Sequence[Received]) -> list[str]:
-    keys = LogKeys(store.prefix)
-    ids: list[str] = []
-    args: list[str | int | bytes] = [
-        keys.base,
-        settings.delivery_retention_ms,
-        settings.max_deliveries,
-        refused_cap(settings),
-        id_floor(int(time.time() * 1000) - settings.delivery_retention_ms),
-    ]
-    for item in items:
-        delivery_id, values = build_record(item, settings)
-        ids.append(delivery_id)
-        args.extend(values)
-    scripts = store.scripts
-    await store.call(lambda: scripts.record_deliveries(keys=[keys.index, keys.refused], args=args))
-    return ids
-
-
-def refused_cap(settings: Settings) -> int:
-    """Refused deliveries kept: a tenth of the cap, at least 100."""
-    return max(100, settings.max_deliveries // 10)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -357,24 +135,49 @@ async def list_deliveries(
         check_delivery_id(cursor)  # a cursor is an id
     keys = LogKeys(store.prefix)
     filtered = any(v is not None for v in (where.path, where.status, where.outcome))
-    args = [
-        keys.base,
-        cursor or "",
-        "" if where.since_ms is None else id_floor(where.since_ms),
-        limit,
-        # One more than the page unfiltered: whether more follow is then known.
-        max(EXAMINE, limit + 1) if filtered else limit + 1,
-        where.path or "",
-        where.status or "",
-        where.outcome or "",
-    ]
+    # One more than the page unfiltered: whether more follow is then known.
+    examine = max(EXAMINE, limit + 1) if filtered else limit + 1
+    # Ids sort by time and never repeat, so the cursor names a position: deliveries
+    # recorded while a caller pages come before it and never shift a later page.
+    newest = "(" + cursor if cursor else "+"
+    oldest = "-" if where.since_ms is None else "[" + id_floor(where.since_ms)
+    args = [limit, where.path or "", where.status or "", where.outcome or ""]
     scripts = store.scripts
     async with store.deadline():
-        reply = await store.call(
-            lambda: scripts.list_deliveries(keys=[keys.index, keys.refused], args=args)
+        verified, refused = await store.call(
+            lambda: _newest_ids(store.redis, keys, newest, oldest, examine)
         )
-    next_cursor = _str(reply[0]) or None
-    return [orjson.loads(item) for item in reply[1:]], next_cursor
+        merged = list(islice(heapq.merge(verified, refused, reverse=True), examine + 1))
+        # More may follow past what is examined now: ids left over, or an index that
+        # gave all that was asked of it.
+        more = len(merged) > examine or examine in (len(verified), len(refused))
+        ids = merged[:examine]
+        if not ids:
+            return [], None
+        reply = await store.call(
+            lambda: scripts.list_deliveries(keys=[keys.record(i) for i in ids], args=args)
+        )
+    examined, summaries = int(reply[0]), reply[1:]
+    next_cursor: str | None = None
+    if len(summaries) == limit:
+        # A full page: a cursor only if something is left to read.
+        if examined < len(ids) or more:
+            next_cursor = _str(ids[examined - 1])
+    elif more:
+        # Short of a full page: all this call examined, and more may follow.
+        next_cursor = _str(ids[-1])
+    return [orjson.loads(item) for item in summaries], next_cursor
+
+
+async def _newest_ids(
+    redis: Redis, keys: LogKeys, newest: str, oldest: str, examine: int
+) -> tuple[list[bytes], list[bytes]]:
+    """Both indexes' ids from ``newest`` down to ``oldest``, at most ``examine`` each."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for index in (keys.index, keys.refused):
+            pipe.zrange(index, newest, oldest, desc=True, bylex=True, offset=0, num=examine)
+        verified, refused = await pipe.execute()
+    return verified, refused
 
 
 async def get_delivery(store: RunStore, delivery_id: str) -> dict[str, Any]:
@@ -450,8 +253,11 @@ async def replay(
     rerun: bool = False,
 ) -> dict[str, Any]:
     """Send a stored delivery through matching again, with today's triggers of its path,
-    and record it as a replay of the first. It was verified when it arrived, and its
-    signature is not stored, so it is not verified again.
+    and record it as a replay of the first.
+
+    Its signature is not stored, so it is not verified again: only the triggers that
+    verified it on arrival, under the verify spec they have now, may take it; each
+    other trigger of the path is ``unverified``, saying why (records.on_arrival).
 
     By default the triggers' policies apply: a replay of a delivery that started a run
     is deduplicated to that run. ``rerun``: each matched trigger starts a new run
@@ -471,8 +277,9 @@ async def replay(
     received_ms = int(time.time() * 1000)
     started = time.perf_counter()
     reply = await handle(
-        store, triggers, headers, headers.get("content-type"), body, verified=True, rerun=rerun
-    )
+        store, triggers, headers, headers.get("content-type"), body,
+        on_arrival=on_arrival(record, triggers), rerun=rerun,
+    )  # fmt: skip
     item = Received(
         received_ms, path, reply, (time.perf_counter() - started) * 1000, version, triggers,
         raw_headers, body, replay_of=delivery_id, rerun=rerun,

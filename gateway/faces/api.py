@@ -15,6 +15,7 @@ from starlette.routing import Route
 from gateway.deliveries import log as deliveries
 from gateway.deliveries.text import check_cursor as check_delivery_cursor
 from gateway.deliveries.text import parse_since
+from gateway.faces.admission import Admission
 from gateway.ingest import replies
 from gateway.ingest.delivery import RETRY_AFTER_SECONDS
 from gateway.model.errors import RealmError, StoreUnavailable
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from gateway.store.runs import TakenStep
 
 Handler = Callable[[Request, RunStore], Awaitable[Response]]
+# As a webhook the worker has no room for (gateway/ingest/webhooks.py): soon.
+OVERLOADED_RETRY_AFTER = "1"
 
 
 def json_response(
@@ -41,6 +44,9 @@ def error_response(error: RealmError, *, batch_id: str | None = None) -> Respons
     if error.code == "STORE_UNAVAILABLE":
         status = 503
         headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    elif error.code == "OVERLOADED":  # too many calls queued for a Redis connection here
+        status = 503
+        headers["Retry-After"] = OVERLOADED_RETRY_AFTER
     elif error.code.startswith("STATE_"):
         status = 409
     elif error.code.startswith("NOT_FOUND_"):
@@ -287,8 +293,11 @@ async def replay_delivery(request: Request, store: RunStore) -> Response:
     return json_response(record)
 
 
-def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitable[Response]]:
-    """Bearer-token check (constant time), then the handler; coded errors become replies."""
+def _guarded(
+    handler: Handler, token: str | None, admission: Admission | None = None
+) -> Callable[[Request], Awaitable[Response]]:
+    """Bearer-token check (constant time), then the handler (in a slot of ``admission``
+    when given: reads); coded errors become replies."""
     # surrogateescape: the environment's bytes as they were, even when not UTF-8.
     expected = token.encode("utf-8", "surrogateescape") if token else None
 
@@ -308,7 +317,10 @@ def _guarded(handler: Handler, token: str | None) -> Callable[[Request], Awaitab
                 given.strip(" \t").encode("latin-1"), expected
             ):
                 raise RealmError("AUTH_REQUIRED", "send 'Authorization: Bearer <REALM_API_TOKEN>'")
-            return await handler(request, request.state.store)
+            if admission is None:
+                return await handler(request, request.state.store)
+            async with admission:  # OVERLOADED when too many wait
+                return await handler(request, request.state.store)
         except RealmError as exc:
             return error_response(exc)
 
@@ -344,7 +356,13 @@ API_ROUTES: list[tuple[str, str, Handler, str]] = [
 
 
 def api_routes(token: str | None) -> list[Route]:
+    reads = Admission()  # this worker's reads take turns (gateway/faces/admission.py)
     return [
-        Route(path, _guarded(handler, token), methods=[method], name=handler.__name__)
+        Route(
+            path,
+            _guarded(handler, token, reads if method == "GET" else None),
+            methods=[method],
+            name=handler.__name__,
+        )
         for path, method, handler, _ in API_ROUTES
     ]

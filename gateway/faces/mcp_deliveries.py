@@ -85,7 +85,9 @@ def add_delivery_tools(server: MCPServer[RunStore]) -> None:
     @server.tool(
         description="Send a stored delivery through matching again, with the triggers of "
         "triggers.yaml as the file is now (after fixing a trigger that ignored it, say), "
-        "recorded as a replay of it. It is not verified again. By default the triggers' "
+        "recorded as a replay of it. Its signature is not kept: only the triggers that "
+        "verified it on arrival, under the same verify spec as now, may start runs; the "
+        "others answer unverified, saying why. By default the triggers' "
         "policies apply: a replay of a delivery that started a run is deduplicated to that "
         "run. rerun: true starts a new run for each matched trigger (rerun_of the old one). "
         "Needs the webhook secrets in this server's environment, as the listener does."

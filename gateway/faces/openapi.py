@@ -138,13 +138,19 @@ _DELIVERY = {
             "event_id": _NULLABLE_TEXT, "deduped": {"type": ["boolean", "null"]},
             "rerun_of": _NULLABLE_TEXT, "phase": _NULLABLE_TEXT, "code": _NULLABLE_TEXT,
             "message": {**_NULLABLE_TEXT, "description": "Why: not matched, refused, started"},
-            "signature": {**_NULLABLE_TEXT, "description": "'ok', why it did not verify, or "
-                          "null when not checked (a replay)"},
+            "signature": {**_NULLABLE_TEXT, "description": "'ok', why it did not verify "
+                          "(a replay: why it may not take it), or null when not checked (a "
+                          "replay)"},
             "matched": {"type": ["boolean", "null"], "description": "whether `when` held "
                         "(null: not reached)"},
             "why_not": {**_NULLABLE_TEXT, "description": "the condition that did not hold"},
             "key": {**_NULLABLE_TEXT, "description": "the idempotency key extracted"},
             "params": {"description": "the params extracted (null: not reached)"},
+            "verified": {"type": "boolean", "description": "whether this trigger verified "
+                         "it (a replay: verified the first delivery on arrival); a replay "
+                         "starts runs only for such triggers"},
+            "verify_spec": {**_NULLABLE_TEXT, "description": "a fingerprint of the trigger's "
+                            "verify spec then: its scheme and secrets' variable names"},
             "params_mismatch": {"type": "boolean"}}}},
         "headers": {"type": ["array", "null"],
                     "items": {"type": "array", "items": {"type": "string"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,10 @@ class TriggerResult:
     key: str | None = None
     params: Any = None
     decision: str | None = None
+    # Whether this trigger may take the delivery: its signature verified now, or (a
+    # replay) verified on arrival under the verify spec it has now. The delivery log
+    # keeps it per trigger, and a replay starts runs for these triggers only.
+    verified: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -109,19 +113,21 @@ async def handle(
     body: bytes,
     *,
     bounded: bool = True,
-    verified: bool = False,
+    on_arrival: Mapping[str, str | None] | None = None,
     rerun: bool = False,
     dry_run: bool = False,
 ) -> Reply:
     """The reply to one delivery. ``bounded=False``: the caller bounds the whole
     call with its own timer, so the store's per-claim deadline is skipped.
 
-    A replay from the delivery log (gateway/deliveries/log.py) passes ``verified``: it was
-    verified when it arrived, and the log keeps no signature. ``rerun``: each matched
-    trigger starts a new run whatever its policies say (the old one, if live, is
-    cancelled), and no event or body marker is consulted. ``dry_run``: the same walk,
-    but the claim only asks what it would decide (``realm triggers test``); nothing
-    is written.
+    A replay from the delivery log (gateway/deliveries/log.py) passes ``on_arrival``: per
+    trigger name, None when that trigger verified the delivery on arrival under the
+    verify spec it has now, else why not (the log keeps no signature to check again).
+    Only the triggers it clears may take the replay; every other one (and one it does
+    not name) is ``unverified``. ``rerun``: each matched trigger starts a new run
+    whatever its policies say (the old one, if live, is cancelled), and no event or
+    body marker is consulted. ``dry_run``: the same walk, but the claim only asks what
+    it would decide (``realm triggers test``); nothing is written.
 
     ``Reply.results`` holds every trigger of the path with each step's word on it,
     whatever the reply: the one walk that every view of a delivery renders."""
@@ -129,8 +135,15 @@ async def handle(
     #    share one scheme; each distinct spec is checked once.
     walk = [TriggerResult(t.name, t.workflow, "ignored", 200) for t in triggers]
     passed: list[tuple[TriggerResult, Trigger]] = []
-    if verified:
-        passed = list(zip(walk, triggers, strict=True))
+    if on_arrival is not None:
+        for result, trigger in zip(walk, triggers, strict=True):
+            # The signature stays None for a cleared trigger: not checked now.
+            why = on_arrival.get(trigger.name, "not a trigger of this path when it arrived")
+            if why is None:
+                result.verified = True
+                passed.append((result, trigger))
+            else:
+                result.signature, result.outcome, result.status = why, "unverified", 401
     else:
         now = time.time()
         checked: dict[int, str | None] = {}
@@ -140,16 +153,19 @@ async def handle(
                 checked[id(spec)] = verify(spec, headers, body, now)
             reason = checked[id(spec)]
             if reason is None:
-                result.signature = "ok"
+                result.signature, result.verified = "ok", True
                 passed.append((result, trigger))
             else:
                 result.signature, result.outcome, result.status = reason, "unverified", 401
-        if not passed:
-            reply = error_reply(
-                401, "AUTH_REQUIRED", f"signature did not verify: {walk[0].signature}"
-            )
-            reply.walk = walk
-            return reply
+    if not passed:
+        if on_arrival is None:
+            message = f"signature did not verify: {walk[0].signature}"
+        else:
+            whys = "; ".join(f"{r.trigger}: {r.signature}" for r in walk)
+            message = f"no trigger of the path verified this delivery on arrival ({whys})"
+        reply = error_reply(401, "AUTH_REQUIRED", message)
+        reply.walk = walk
+        return reply
 
     # 2. Parse, once.
     try:
@@ -252,6 +268,8 @@ DECISIONS = {
     "used": "refuse: STATE_IDEMPOTENCY_KEY_USED (run {run} ended as '{phase}')",
     "conflict": "refuse: STATE_IDEMPOTENCY_KEY_CONFLICT (run {run} has other params)",
 }
+# The status a live claim's reply would carry for each decision (refusal_status's).
+DECISION_STATUS = {"start": 202, "rerun": 202, "conflict": 409}
 
 
 async def _preview(
@@ -280,6 +298,7 @@ async def _preview(
     phase = state.phase if state else None
     result.outcome = "previewed"
     result.decision = DECISIONS[decision].format(run=run, phase=phase)
+    result.status = DECISION_STATUS.get(decision, 200)
 
 
 def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: str) -> list[Marker]:

@@ -43,12 +43,23 @@ async def dry_run(
             store, [trigger], lookup, lookup.get("content-type"), body, dry_run=True
         )
         report["triggers"].append(_entry(reply, reply.walk[0]))
+    report["status"] = verdict([entry["status"] for entry in report["triggers"]])
     return report
+
+
+def verdict(statuses: Sequence[int]) -> int:
+    """The status the listener would answer with, from its triggers' (as
+    ``delivery.handle`` combines them): 401 when no signature verified; else a 5xx or
+    4xx wins over a start (202), and a start over a deduplication or a non-match (200)."""
+    verified = [status for status in statuses if status != 401]
+    return max(verified, key=lambda s: {200: 0, 202: 1}.get(s, s)) if verified else 401
 
 
 def _entry(reply: Reply, step: TriggerResult) -> dict[str, Any]:
     """What the walk said of one trigger, as the report shows it."""
     entry: dict[str, Any] = {"trigger": step.trigger, "workflow": step.workflow}
+    # What the listener's reply would say of this trigger (503: Redis did not answer).
+    entry["status"] = 503 if step.outcome == "unknown" else step.status
     entry["signature"] = "ok" if step.signature == "ok" else f"fails: {step.signature}"
     if step.signature != "ok":
         entry["result"] = "401: signature did not verify"

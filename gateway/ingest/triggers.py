@@ -30,6 +30,7 @@ from gateway.ingest.jsonpath import Path, compile_path
 from gateway.ingest.params import ParamError, ParamsSpec, compile_params
 from gateway.ingest.values import HeaderLookup
 from gateway.model.errors import ConfigError
+from gateway.model.words import noun, plural
 from gateway.signatures.parse import parse_verify
 from gateway.signatures.schemes import is_header_name
 from gateway.signatures.spec import VerifySpec
@@ -219,7 +220,8 @@ class _SecretsSeen(Mapping[str, str]):
             )
             raise ConfigError(
                 file,
-                f"{len(self.missing)} environment variables for secrets are missing: {listed}",
+                f"{plural(len(self.missing), 'environment variable')} for secrets "
+                f"{noun(len(self.missing), 'is', 'are')} missing: {listed}",
                 section="triggers",
                 field="verify.secret_env",
             )

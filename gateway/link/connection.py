@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from pathlib import Path
 from urllib.parse import unquote_plus
 
 from redis import exceptions as redis_errors
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
@@ -19,6 +21,7 @@ from redis.retry import Retry
 
 from gateway.link.cluster_client import cluster_client, is_cluster_url, ping_every_primary
 from gateway.link.embedded import EmbeddedServer
+from gateway.link.pool import QueuedPool
 from gateway.link.sentinel import (
     SENTINEL_SCHEME,
     is_sentinel_url,
@@ -46,18 +49,18 @@ def redis_client(
     its own, gateway/link/pipeline.py); a read they cancel drops its connection.
     Connecting keeps its own timeout.
 
-    A blocking pool: when all its connections are busy, a call waits for one
-    (at most ``timeout``, the same bound as the operation's deadline) instead of
-    failing at once. redis-py's default pool refuses the 101st concurrent call,
-    which made a burst of 250 admin reads answer 149 times 503 on a healthy Redis."""
+    A queued pool (gateway/link/pool.py): when all its connections are busy, a call
+    waits for one, and its operation's deadline does not run while it waits; past
+    ``MAX_WAITING`` waiting calls it is refused at once (503 ``OVERLOADED``). redis-py's
+    default pool refuses the 101st concurrent call, and a wait counted in the deadline
+    made a burst of 250 admin reads answer 503 STORE_UNAVAILABLE on a healthy Redis."""
     if is_cluster_url(url):
         return cluster_client(url, timeout, max_connections=max_connections)
     if is_sentinel_url(url):
         return sentinel_client(url, timeout, max_connections=max_connections or MAX_CONNECTIONS)
-    pool = BlockingConnectionPool.from_url(
+    pool = QueuedPool.from_url(
         url,
         max_connections=max_connections or MAX_CONNECTIONS,
-        timeout=timeout,
         socket_timeout=None,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
@@ -108,6 +111,41 @@ def _redact_query(query: str) -> str:
             item = f"{name}=***"
         out.append(item)
     return "&".join(out)
+
+
+def unreachable(exc: BaseException, url: str | None = None) -> str:
+    """The one sentence for a Redis that could not be reached, the same from every
+    command and the listener: ``Redis is unreachable: connection refused``, or with
+    ``url`` ``Redis at <url without its password> is unreachable: …``."""
+    where = f"Redis at {redact_url(url)}" if url else "Redis"
+    return f"{where} is unreachable: {_unreachable_reason(exc)}"
+
+
+# Why a connection failed, by its OSError's errno: words rather than redis-py's
+# "Error 111 connecting to host:port. Connect call failed (…)".
+_CONNECT_ERRORS = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.ENOENT: "no such socket file",
+    errno.EACCES: "permission denied",
+    errno.EHOSTUNREACH: "no route to the host",
+    errno.ENETUNREACH: "the network is unreachable",
+    errno.ECONNRESET: "the connection was reset",
+    errno.ETIMEDOUT: "no answer in time",
+}
+
+
+def _unreachable_reason(exc: BaseException) -> str:
+    seen: BaseException | None = exc
+    while seen is not None:  # redis-py raises its own error while handling the OSError
+        if isinstance(seen, socket.gaierror):
+            return "cannot resolve the host name"
+        if isinstance(seen, OSError) and seen.errno in _CONNECT_ERRORS:
+            return _CONNECT_ERRORS[seen.errno]
+        seen = seen.__cause__ or seen.__context__
+    # One line, never the URL: redis-py's messages name the host (and a URL may
+    # hold a password).
+    text = " ".join(str(exc).split(" connecting to ")[0].split()).rstrip(".")
+    return text[:300] or type(exc).__name__
 
 
 class BadRedisUrl(ValueError):

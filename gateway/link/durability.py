@@ -16,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
 from gateway.model.errors import StoreUnavailable
+from gateway.model.words import plural
 
 if TYPE_CHECKING:
     from gateway.model.config import Durability
@@ -65,12 +66,13 @@ def check_confirmed(durability: Durability, reply: Any) -> None:
         local, replicas = (int(x) for x in reply)
         if local < 1 or replicas < n:
             raise StoreUnavailable(
-                f"not fsynced on the primary and {n} replica(s) within {timeout:g} s "
+                f"not fsynced on the primary and {plural(n, 'replica')} within {timeout:g} s "
                 f"(primary {local}, replicas {replicas}); retry"
             )
     elif int(reply) < n:
         raise StoreUnavailable(
-            f"not confirmed on {n} replica(s) within {timeout:g} s (got {int(reply)}); retry"
+            f"not confirmed on {plural(n, 'replica')} within {timeout:g} s "
+            f"(got {int(reply)}); retry"
         )
 
 

@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 from redis import exceptions as redis_errors
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from gateway.link.pipeline import Pipeline
+from gateway.link.pool import QueuedPool
 
 if TYPE_CHECKING:
     from gateway.model.config import Durability
@@ -121,9 +122,9 @@ def _host_port(item: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """Sentinel's pool with the blocking checkout of gateway.link.connection.redis_client:
-    a burst waits for a free connection instead of failing."""
+class _BlockingSentinelPool(SentinelConnectionPool, QueuedPool):
+    """Sentinel's pool with the queued checkout of gateway.link.connection.redis_client:
+    a burst waits for a free connection (gateway/link/pool.py) instead of failing."""
 
 
 def sentinel_client(url: str, timeout: float, *, max_connections: int) -> Redis:

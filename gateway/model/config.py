@@ -7,6 +7,7 @@ the whole file, with its triggers and handlers, is read by ``gateway.loading``.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from referencing.exceptions import Unresolvable
 from gateway.model.errors import RealmError
 
 T = TypeVar("T")
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # The first part of every Redis key (gateway.store.keys), unless settings.key_prefix says otherwise.
 DEFAULT_PREFIX = "realm"
@@ -38,7 +40,8 @@ MAX_PARTITIONS = 1024
 SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeout", "max_in_flight",
                    "max_buffered_body_bytes", "max_header_bytes", "durability",
                    "delivery_log", "store_bodies", "max_stored_body_bytes",
-                   "delivery_retention", "max_deliveries"}  # fmt: skip
+                   "delivery_retention", "max_deliveries",
+                   "trusted_proxies"}  # fmt: skip
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1", "/ui"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
@@ -148,6 +151,9 @@ class Settings:
     max_stored_body_bytes: int = DEFAULT_MAX_STORED_BODY_BYTES  # longer: stored cut, marked
     delivery_retention_ms: int = 3 * 86_400_000
     max_deliveries: int = DEFAULT_MAX_DELIVERIES
+    # Proxies whose X-Forwarded-For and X-Forwarded-Proto the inspector believes (its
+    # login limit's client, its cookie's Secure): the addresses they connect from.
+    trusted_proxies: tuple[Network, ...] = ()
 
 
 @dataclass(frozen=True)

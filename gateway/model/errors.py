@@ -22,6 +22,15 @@ class StoreUnavailable(RealmError):
         super().__init__("STORE_UNAVAILABLE", message)
 
 
+class Overloaded(StoreUnavailable):
+    """This process has too many calls queued for a Redis connection: this one was not
+    sent. Code ``OVERLOADED`` (503, retry in a second); a StoreUnavailable, so every
+    caller that retries "not now" retries it too."""
+
+    def __init__(self, message: str) -> None:
+        RealmError.__init__(self, "OVERLOADED", message)
+
+
 class ConfigError(Exception):
     """A bad ``triggers.yaml``: one line naming the file, the entry and the field."""
 

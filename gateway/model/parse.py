@@ -4,6 +4,7 @@ dataclasses. Every error is a ``ConfigError`` naming the file, the entry and the
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -31,12 +32,14 @@ from gateway.model.config import (
     WORKFLOW_FIELDS,
     WORKFLOW_NAME,
     Durability,
+    Network,
     Settings,
     Workflow,
     json_path,
     parse_retention,
 )
 from gateway.model.errors import ConfigError
+from gateway.model.words import unknown_field
 
 
 def parse_workflows(raw: object, file: str) -> dict[str, Workflow]:
@@ -61,7 +64,7 @@ def _parse_workflow(name: object, raw: object, file: str) -> Workflow:
         )
     unknown = sorted(str(k) for k in raw if k not in WORKFLOW_FIELDS)
     if unknown:
-        raise error(unknown[0], f"unknown field; allowed: {sorted(WORKFLOW_FIELDS)}")
+        raise error(unknown[0], unknown_field(unknown[0], WORKFLOW_FIELDS))
 
     steps = raw.get("steps")
     if not isinstance(steps, list) or not steps:
@@ -198,7 +201,7 @@ def parse_settings(raw: object, file: str) -> Settings:
         raise error(None, "must be a mapping")
     unknown = sorted(str(k) for k in raw if k not in SETTINGS_FIELDS)
     if unknown:
-        raise error(unknown[0], f"unknown field; allowed: {sorted(SETTINGS_FIELDS)}")
+        raise error(unknown[0], unknown_field(unknown[0], SETTINGS_FIELDS))
     prefix = raw.get("key_prefix", DEFAULT_PREFIX)
     if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,50}", prefix):
         raise error("key_prefix", "must be 1-50 letters, digits, '_', '.' or '-'")
@@ -247,9 +250,33 @@ def parse_settings(raw: object, file: str) -> Settings:
                 name, f"must be an integer from {least} to {most} (got {clip(repr(value))})"
             )
         counts[name] = value
+    proxies = _parse_networks(raw.get("trusted_proxies", []), error)
     return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
                     durability=durability, delivery_retention_ms=retention_ms,
+                    trusted_proxies=proxies,
                     **timeouts, **sizes, **flags, **counts)  # fmt: skip
+
+
+def _parse_networks(raw: object, error: Any) -> tuple[Network, ...]:
+    """``trusted_proxies``: addresses (``10.0.0.7``) or networks (``10.0.0.0/8``)."""
+    if not isinstance(raw, list):
+        raise error(
+            "trusted_proxies", f"must be a list of addresses or networks (got {clip(repr(raw))})"
+        )
+    networks = []
+    for i, item in enumerate(raw):
+        try:
+            if not isinstance(item, str):  # ip_network would read 5 as 0.0.0.5
+                raise ValueError
+            # strict=False: 10.1.2.3/8 means 10.0.0.0/8, as a person writing it means.
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise error(
+                f"trusted_proxies[{i}]",
+                f"must be an IP address like 10.0.0.7 or a network like 10.0.0.0/8 "
+                f"(got {clip(repr(item))})",
+            ) from None
+    return tuple(networks)
 
 
 def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durability | None:
@@ -261,9 +288,7 @@ def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durabili
         )
     unknown = sorted(str(k) for k in raw if k not in DURABILITY_FIELDS)
     if unknown:
-        raise error(
-            f"durability.{unknown[0]}", f"unknown field; allowed: {sorted(DURABILITY_FIELDS)}"
-        )
+        raise error(f"durability.{unknown[0]}", unknown_field(unknown[0], DURABILITY_FIELDS))
     replicas = raw.get("replicas", 1)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= 100:
         raise error("durability.replicas", f"must be an integer from 0 to 100 (got {replicas!r})")

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.deliveries.log import DeliveryRecorder
-from gateway.faces.api import api_routes, json_response
+from gateway.faces.api import api_routes, error_response, json_response
 from gateway.faces.openapi import openapi_document
 from gateway.faces.ui import ui_routes
 from gateway.ingest.deadlines import Deadlines
@@ -32,7 +32,7 @@ from gateway.loading import load_config
 from gateway.model.config import Config
 from gateway.model.errors import StoreUnavailable
 from gateway.serving import metrics
-from gateway.serving.reload import ReloadOnHangup, defer_hangups
+from gateway.serving.reload import ReloadOnHangup, Reloads, defer_hangups
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import Sweeper
 
@@ -40,10 +40,10 @@ log = logging.getLogger("realm")
 
 
 def create_app(
-    config: Config, redis_url: str, *, api_token: str | None = None, hangup_reloads: bool = False
+    config: Config, redis_url: str, *, api_token: str | None = None, reloads: Reloads | None = None
 ) -> Webhooks:
     """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403.
-    ``hangup_reloads``: SIGHUP reloads the config file (gateway/serving/reload.py)."""
+    ``reloads``: SIGHUP reloads the config, as it says (gateway/serving/reload.py)."""
     delivery_log = DeliveryLog()
     deadlines = Deadlines()
 
@@ -64,11 +64,12 @@ def create_app(
         flusher = asyncio.create_task(delivery_log.flush_every())
         sweeper = asyncio.create_task(deadlines.sweep())
         # Trims the run indexes and streams, so memory follows retention; every worker runs it, and
-        # the workers and replicas share one walk (gateway/store/sweep.py).
+        # the workers and replicas share one walk (gateway/store/sweep.py). It first makes the
+        # runners' group on every stream: a step nobody read yet is never trimmed.
         trimming = Sweeper(store)
         trimmer = asyncio.create_task(trimming.run())
         recording = asyncio.create_task(recorder.run())
-        hangup = ReloadOnHangup(webhooks, config.file, trimming) if hangup_reloads else None
+        hangup = ReloadOnHangup(webhooks, config.file, trimming, reloads) if reloads else None
         if hangup is not None:
             hangup.install()
         try:
@@ -98,7 +99,7 @@ def create_app(
         store: RunStore = request.state.store
         try:
             await store.ping()
-            await store.load_scripts()
+            await store.ensure_scripts()  # SCRIPT EXISTS; a load only of those missing
         except Exception as exc:
             # /readyz needs no token: the reply says what, never the server's words.
             if not not_ready[0]:
@@ -120,11 +121,14 @@ def create_app(
             documents[serving.version] = openapi_document(list(serving.by_path))
         return json_response(documents[serving.version])
 
+    queue_gauges = metrics.QueueGauges()
+
     async def metrics_text(request: Request) -> Response:
         delivery_log.flush()  # this worker's counts; the others flush every 0.2 s
         text, content_type = metrics.render()
-        # The step streams, read from Redis now (bounded; never fails the scrape).
-        text += await metrics.queue_text(request.state.store)
+        # The step streams, read from Redis at most once a second (bounded; never fails
+        # the scrape).
+        text += await queue_gauges.text(request.state.store)
         return Response(text, headers={"Content-Type": content_type})
 
     routes = api_routes(api_token)
@@ -179,7 +183,7 @@ def _unavailable(message: str) -> Response:
 async def _store_error(request: Request, exc: Exception) -> Response:
     """Redis refused for now, or did not answer: the caller retries, never a 500."""
     if isinstance(exc, StoreUnavailable):
-        return _unavailable(exc.message)
+        return error_response(exc)  # STORE_UNAVAILABLE, or OVERLOADED: each its Retry-After
     log.error("%s %s: the store failed: %s", request.method, request.url.path, _describe(exc))
     return _unavailable("Redis is unavailable; retry")
 
@@ -198,10 +202,14 @@ def app_from_env() -> Webhooks:
     defer_hangups()
     setup_logging()
     config = load_config(os.environ.get("REALM_CONFIG", "triggers.yaml"))
-    app = create_app(
-        config, os.environ["REALM_REDIS_URL"], api_token=os.environ.get("REALM_API_TOKEN") or None,
-        hangup_reloads=True,
-    )  # fmt: skip
+    return serving_app(config, os.environ["REALM_REDIS_URL"], Reloads())
+
+
+def serving_app(config: Config, redis_url: str, reloads: Reloads) -> Webhooks:
+    """The app a listener process serves (``REALM_API_TOKEN`` from the environment),
+    with the garbage collector tuned for serving."""
+    app = create_app(config, redis_url, api_token=os.environ.get("REALM_API_TOKEN") or None,
+                     reloads=reloads)  # fmt: skip
     _tune_gc()
     return app
 

@@ -13,26 +13,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import click
 import redis
 import uvicorn
-from uvicorn.supervisors import Multiprocess
 
 from gateway.ingest.observe import setup_logging
 from gateway.ingest.triggers import describe_event_id
-from gateway.link.connection import ping_url, redact_url, redis_client, redis_target
+from gateway.link.connection import ping_url, redis_client, redis_target, unreachable
+from gateway.loading import parse_config
 from gateway.model.config import Config
-from gateway.model.errors import ConfigError, StoreUnavailable
-from gateway.serving.pidfile import pid_file_kept
-from gateway.serving.reload import (
-    check_partitions_at,
-    count_in_supervisor,
-    defer_hangups,
-    layout_changes,
-    load_for_reload,
-    log_line,
-    refused,
-)
+from gateway.model.errors import StoreUnavailable
+from gateway.serving.app import serving_app
+from gateway.serving.pidfile import answer_path, pid_file_kept
+from gateway.serving.reload import AcceptedText, Answers, Reloads, defer_hangups, read_file
+from gateway.serving.workers import ACCEPTED_ENV, SUPERVISOR_ENV, WORKER_NAME, Supervisor
 from gateway.signatures.spec import describe
 from gateway.store.runstore import RunStore
 
@@ -40,8 +33,8 @@ from gateway.store.runstore import RunStore
 GRACEFUL_SHUTDOWN_SECONDS = 30
 # How long an idle keep-alive connection is kept open (uvicorn's default is 5 s).
 KEEP_ALIVE_SECONDS = 75
-# The app every worker serves (it reads its settings from the environment).
-APP = "gateway.serving.app:app_from_env"
+# The app of each of several workers (it reads its settings from the environment).
+APP = "gateway.serving.workers:worker_app"
 
 log = logging.getLogger("realm")
 
@@ -53,6 +46,7 @@ class CannotBind(Exception):
 def serve(
     config: Config,
     *,
+    text: str,
     host: str,
     port: int,
     workers: int,
@@ -60,27 +54,32 @@ def serve(
     data_dir: str,
     pid_file: str | None = None,
 ) -> None:
-    """Serve until SIGTERM or Ctrl-C; an embedded server started here stops afterwards.
-    SIGHUP reloads the config file (gateway/serving/reload.py); this process's id is written to
-    ``pid_file`` (default: ``<data_dir>/listen.pid``) for ``realm triggers reload``.
+    """Serve ``config`` (parsed from ``text``, the file's text) until SIGTERM or Ctrl-C;
+    an embedded server started here stops afterwards. SIGHUP reloads the config file
+    (gateway/serving/reload.py); this process's id is written to ``pid_file`` (default:
+    ``<data_dir>/listen@<host>:<port>.pid``) for ``realm triggers reload``, which
+    reads its answer next to it.
 
     Raises ``CannotBind`` before anything starts when ``host``/``port`` cannot be bound,
     ``PidFileError`` when the ``pid_file`` given cannot be written."""
     setup_logging()
     # Until the app handles SIGHUP, one (a reload racing the start) must not end the
-    # process, as its default action would: one worker reloads once it can, several
-    # read the file as they start.
+    # process, as its default action would: it reloads once it can.
     defer_hangups()
     check_bindable(host, port)
     with (
         # After the bind check: a listener that cannot start leaves another's file alone.
-        pid_file_kept(pid_file, data_dir),
+        pid_file_kept(pid_file, data_dir, host, port) as pid_path,
         redis_target(redis_url, data_dir) as target,
-        tempfile.TemporaryDirectory(prefix="realm-metrics-") as metrics_dir,
+        tempfile.TemporaryDirectory(prefix="realm-listen-") as private,
     ):
-        echo = lambda text: click.echo(text, err=True)  # noqa: E731
+        echo = log.info  # the banner is log lines too, in the one format (--log-format)
         echo(f"realm listen: http://{host}:{port} ({workers} worker{'s' * (workers > 1)})")
         echo(f"store: {target.description}")
+        if os.environ.get("REALM_API_TOKEN"):  # what app_from_env reads
+            echo("/v1 (admin API) and /ui (inspector): on, behind REALM_API_TOKEN")
+        else:
+            echo("/v1 (admin API) and /ui (inspector): off; set REALM_API_TOKEN to turn them on")
         for trigger in config.triggers.values():
             if trigger.verify.scheme == "none":
                 log.warning(
@@ -97,14 +96,26 @@ def serve(
         if reachable(target.url, config.settings.redis_timeout):
             # A changed `partitions` would move a workflow's keys: refused before serving.
             asyncio.run(check_layout(config, target.url))
+        # Absolute, but through its symbolic links, never resolved: a Kubernetes
+        # ConfigMap volume swaps a link to a new folder and removes the old one.
+        config_file = os.path.abspath(config.file)
+        if config_file != config.file:  # (its errors and log lines name this path)
+            config = parse_config(text, file=config_file)
+        answers = Answers(answer_path(pid_path) if pid_path else None)
         # Workers are separate processes: they read their settings from here.
-        config_file = str(Path(config.file).resolve())
         os.environ["REALM_CONFIG"] = config_file
         os.environ["REALM_REDIS_URL"] = target.url
+        accepted = AcceptedText(Path(private) / "accepted.yaml")
         if workers > 1:
             # Each worker writes its metrics here; /metrics sums them (gateway/serving/metrics.py).
             # One process keeps them in memory: cheaper, and nothing to sum.
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+            metrics_dir = Path(private) / "metrics"
+            metrics_dir.mkdir()
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+            # What the workers serve: the text checked above, whatever the file holds now.
+            accepted.write(text)
+            os.environ[ACCEPTED_ENV] = str(accepted.path)
+            os.environ[SUPERVISOR_ENV] = str(os.getpid())
         # uvicorn shuts down gracefully on SIGTERM/SIGINT, then restores the handlers
         # it found and raises the signal again. With Python's defaults that kills
         # the process (exit -15, or a KeyboardInterrupt traceback) before the
@@ -131,68 +142,24 @@ def serve(
             proxy_headers=False,
         )
         if workers == 1:
-            # One process: the app's lifespan reloads on SIGHUP itself.
-            uvicorn.run(APP, **options)
+            # One process, serving the config checked above: its lifespan reloads on
+            # SIGHUP itself, and answers.
+            app = serving_app(config, target.url, Reloads(answers=answers))
+            uvicorn.run(app, **{**options, "factory": False})
             return
-        # Several: what uvicorn.run does for them, with a supervisor of our own (below).
+        # Several: what uvicorn.run does for them, with a supervisor of our own
+        # (gateway/serving/workers.py).
         uv_config = uvicorn.Config(APP, **options)
         sock = uv_config.bind_socket()
         # (No KeyboardInterrupt to catch, as uvicorn.run does: the supervisor handles SIGINT.)
         Supervisor(uv_config, [sock], config=config, config_file=config_file,
-                   redis_url=target.url).run()  # fmt: skip
+                   redis_url=target.url, accepted=accepted, answers=answers).run()  # fmt: skip
 
 
-class Supervisor(Multiprocess):
-    """uvicorn's supervisor of worker processes, but SIGHUP reloads the config in each
-    worker rather than replacing the workers (uvicorn's way, which cuts their open
-    connections). The file is checked here first, so that a refused one is logged
-    once, not once per worker; a file that passes is reloaded by each worker's
-    lifespan (gateway/serving/reload.py), which checks it again and logs its own line."""
-
-    def __init__(
-        self,
-        uv_config: uvicorn.Config,
-        sockets: list[socket.socket],
-        *,
-        config: Config,
-        config_file: str,
-        redis_url: str,
-    ) -> None:
-        super().__init__(uv_config, sockets)
-        self.running = config  # what the workers were last asked to serve
-        self.config_file = config_file
-        self.redis_url = redis_url
-
-    def handle_signals(self) -> None:
-        # SIGHUPs queued since the last look (every 0.5 s) would all read the same
-        # file: one reload does.
-        for _ in range(self.signal_queue.count(signal.SIGHUP) - 1):
-            self.signal_queue.remove(signal.SIGHUP)
-        super().handle_signals()
-
-    def handle_hup(self) -> None:
-        try:
-            new = load_for_reload(self.config_file, self.running.settings)
-            if layout_changes(self.running, new):
-                asyncio.run(check_partitions_at(self.redis_url, new, self.running))
-        except ConfigError as exc:
-            refused(self.config_file, self.running.version, str(exc), count=False)
-            count_in_supervisor("refused")
-            return
-        for process in self.processes:
-            # A worker still starting would die of SIGHUP until its app defers it
-            # (gateway/serving/reload.py defer_hangups); one that has started reloads.
-            if not process.wait_until_ready(self.config.timeout_worker_healthcheck,
-                                            self.should_exit):  # fmt: skip
-                if not self.should_exit.is_set():
-                    log_line("not_forwarded", self.config_file, self.running.version,
-                             error=f"worker {process.pid} did not answer; it serves what "
-                                   "it read at its start")  # fmt: skip
-                continue
-            assert process.pid is not None
-            with contextlib.suppress(ProcessLookupError):  # it died: its successor reads the file
-                os.kill(process.pid, signal.SIGHUP)
-        self.running = new
+def read_config(path: str) -> tuple[str, Config]:
+    """The file's text and its config, triggers included (ConfigError)."""
+    text = read_file(path)
+    return text, parse_config(text, file=path)
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -216,10 +183,8 @@ def check_bindable(host: str, port: int) -> None:
                 sock.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise CannotBind(
-                        f"--port {port} is already in use on {host}: another process "
-                        "listens there; stop it or choose another --port"
-                    ) from None
+                    raise CannotBind(f"--port {port} is already in use on {host}: "
+                                     f"{_who_listens(port)}") from None  # fmt: skip
                 if exc.errno == errno.EACCES:
                     raise CannotBind(
                         f"--port {port} on {host}: permission denied (ports below 1024 "
@@ -228,6 +193,51 @@ def check_bindable(host: str, port: int) -> None:
                 if exc.errno == errno.EADDRNOTAVAIL and family == socket.AF_INET6:
                     continue  # IPv6 off on this machine; asyncio skips it too
                 raise CannotBind(f"--host {host} --port {port}: {exc.strerror}") from None
+
+
+def _who_listens(port: int) -> str:
+    """The end of the port-in-use error: the processes of this user that listen on
+    ``port``, named, when /proc tells (workers a killed listener left behind are said
+    to be that)."""
+    holders = listening_processes(port)
+    if not holders:
+        return "another process listens there; stop it or choose another --port"
+    one = len(holders) == 1
+    named = ", ".join(f"{pid} ({name})" for pid, name in holders)
+    kill = "kill " + " ".join(str(pid) for pid, _ in holders)
+    whose = ""
+    if all(name == WORKER_NAME.decode() for _, name in holders):
+        whose = f", {'a worker' if one else 'workers'} of a `realm listen` that is gone"
+    return (
+        f"{'process' if one else 'processes'} {named} {'listens' if one else 'listen'} "
+        f"there{whose}; stop {'it' if one else 'them'} ({kill}) or choose another --port"
+    )
+
+
+def listening_processes(port: int) -> list[tuple[int, str]]:
+    """(pid, name) of each process that listens on TCP ``port`` and whose open files
+    this user may see, from /proc (empty where there is none)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                # local address "ADDR:PORT" in hex; state 0A is LISTEN
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inodes.add(f"socket:[{fields[9]}]")
+    found = []
+    if not inodes:
+        return found
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                name = (proc / "comm").read_text().strip()
+                found.append((int(proc.name), name))
+        except OSError:
+            continue  # another user's, or gone
+    return sorted(found)
 
 
 def reachable(url: str, timeout: float) -> bool:
@@ -240,10 +250,10 @@ def reachable(url: str, timeout: float) -> bool:
         asyncio.run(ping_url(url, timeout))
         return True
     except redis.RedisError as exc:
+        # The words every command uses for it (gateway/link/connection.py).
         log.error(
-            "error: the store (Redis at %s) is unavailable: %s. Starting anyway: "
-            "webhooks and /v1 answer 503 STORE_UNAVAILABLE and /readyz 503 until it does",
-            redact_url(url), _reason(exc),
+            "error: %s. Starting anyway: webhooks and /v1 answer 503 STORE_UNAVAILABLE "
+            "and /readyz 503 until it does", unreachable(exc, url),
         )  # fmt: skip
         return False
 
@@ -257,9 +267,3 @@ async def check_layout(config: Config, url: str) -> None:
         log.error("error: could not check the workflows' partitions: %s", exc.message)
     finally:
         await client.aclose()
-
-
-def _reason(exc: BaseException) -> str:
-    # One line, and never the URL (redis-py's messages name the host and port).
-    text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-    return text[:300]

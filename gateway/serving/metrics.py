@@ -5,17 +5,20 @@ prometheus_client's multiprocess mode at a private folder before they start;
 ``/metrics`` then sums every worker, whichever one answers the scrape.
 
 The listener's scrape also reads each workflow's step streams (``queue_text``):
-how many ready steps wait and for how long, read from Redis at scrape time, so
-every worker reports the same figures. A runner (``realm work --metrics-port``)
-serves its own counters (``gateway.runners.metrics``). Each capability defines the
-counters it updates in its own module; they all land in prometheus_client's one
-registry, which ``render`` reads.
+how many ready steps wait and for how long, read from Redis, so every worker reports
+the same figures. A read costs a few commands per partition (some 1 300 for 5
+workflows of 64 partitions), so a worker reads at most once a second and one read
+at a time, whatever the number of scrapes (``QueueGauges``). A runner
+(``realm work --metrics-port``) serves its own counters (``gateway.runners.metrics``).
+Each capability defines the counters it updates in its own module; they all land in
+prometheus_client's one registry, which ``render`` reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -32,7 +35,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from gateway.store.keys import Keys
     from gateway.store.runstore import RunStore
 
 log = logging.getLogger("realm.metrics")
@@ -51,6 +53,39 @@ def render() -> tuple[bytes, str]:
 
 GROUP = "runners"  # the consumer group every runner reads with (RUNNERS_SPEC)
 QUEUE_TIMEOUT = 1.0  # seconds a scrape waits for Redis, at most, before it answers
+QUEUE_MAX_AGE = 1.0  # seconds a worker serves the figures it read before reading again
+
+
+class QueueGauges:
+    """One worker's step-stream gauges (``queue_text``): a scrape within
+    ``QUEUE_MAX_AGE`` of the last read gets its figures; a scrape while a read is in
+    flight waits for that read. So scrapes, however many and however often, cost Redis
+    one read a second at most."""
+
+    def __init__(self, max_age: float = QUEUE_MAX_AGE, timeout: float = QUEUE_TIMEOUT) -> None:
+        self.max_age = max_age
+        self.timeout = timeout
+        self._text = b""
+        self._read_at = -math.inf  # time.monotonic() when the last read ended
+        self._read_of: object = None  # the config read (a reload may add workflows)
+        self._reading: asyncio.Future[None] | None = None
+
+    async def text(self, store: RunStore) -> bytes:
+        fresh = time.monotonic() - self._read_at < self.max_age
+        if self._reading is None and not (fresh and self._read_of is store.config):
+            self._reading = asyncio.ensure_future(self._read(store))
+        if self._reading is not None:
+            # Shielded: a scrape that goes away does not cancel the read others wait for.
+            await asyncio.shield(self._reading)
+        return self._text
+
+    async def _read(self, store: RunStore) -> None:
+        try:
+            self._text = await queue_text(store, self.timeout)
+            self._read_of = store.config
+        finally:
+            self._read_at = time.monotonic()
+            self._reading = None
 
 
 class _Figures:
@@ -70,40 +105,52 @@ class _Figures:
         self.oldest_ms = ms if self.oldest_ms is None else min(self.oldest_ms, ms)
 
 
-async def _read_partition(redis: Any, keys: Keys, figures: _Figures) -> None:
-    """Three reads of one stream, none of which walks it: the group's counters,
-    the pending summary, and the first entry not yet delivered."""
-    stream = keys.stream()
-    groups = await redis.xinfo_groups(stream) if await redis.exists(stream) else []
-    group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
-    if group is None:
-        # No runner has read this stream yet: every entry in it is undelivered.
-        length = int(await redis.xlen(stream))  # awaited before the sum: partitions run at once
-        figures.new += length
-        first = await redis.xrange(stream, "-", "+", count=1)
-        figures.saw(first[0][0] if first else None)
-        return
-    pending = await redis.xpending(stream, GROUP)
-    figures.taken += int(pending["pending"])
-    figures.saw(pending["min"] if pending["pending"] else None)
-    last = _text(group["last-delivered-id"])
-    lag = group.get("lag")
-    following = await redis.xrange(stream, f"({last}", "+", count=1)
-    if lag is None:
-        # Redis cannot tell (entries deleted past the group's position): at least
-        # one waits if one follows the group's position.
-        lag = len(following)
-    figures.new += int(lag)
-    if int(lag):
-        figures.saw(following[0][0] if following else None)
-
-
 async def _read_workflow(store: RunStore, workflow: str) -> _Figures:
+    """Two pipelined round trips for all the workflow's partitions (on a cluster, one
+    per node holding some), none of which walks a stream: each stream's groups; then
+    per stream the runners' group's pending summary and the first entry it has not
+    taken (before any runner read it: the stream's length and first entry)."""
     figures = _Figures()
-    # The partitions at once: on a cluster they live on different primaries.
-    await asyncio.gather(
-        *(_read_partition(store.redis, k, figures) for k in store.partitions(workflow))
-    )
+    streams = [keys.stream() for keys in store.partitions(workflow)]
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+    groups: list[dict[str, Any] | None] = []
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for stream, reply in zip(streams, replies, strict=True):
+            if isinstance(reply, Exception):
+                if "no such key" not in str(reply).lower():
+                    raise reply
+                continue  # no stream: no step of this partition was ever ready
+            group = next((g for g in reply if _text(g.get("name")) == GROUP), None)
+            if group is None:
+                pipe.xlen(stream)
+                pipe.xrange(stream, "-", "+", count=1)
+            else:
+                pipe.xpending(stream, GROUP)
+                last = _text(group["last-delivered-id"])
+                pipe.xrange(stream, f"({last}", "+", count=1)
+            groups.append(group)
+        replies = await pipe.execute() if groups else []
+    for i, group in enumerate(groups):
+        counted, following = replies[2 * i], replies[2 * i + 1]
+        first = following[0][0] if following else None
+        if group is None:
+            # No runner has read this stream yet: every entry in it is undelivered.
+            figures.new += int(counted)
+            figures.saw(first)
+            continue
+        figures.taken += int(counted["pending"])
+        figures.saw(counted["min"] if counted["pending"] else None)
+        lag = group.get("lag")
+        if lag is None:
+            # Redis cannot tell (entries deleted past the group's position): at least
+            # one waits if one follows the group's position.
+            lag = len(following)
+        figures.new += int(lag)
+        if int(lag):
+            figures.saw(first)
     return figures
 
 

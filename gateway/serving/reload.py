@@ -1,18 +1,29 @@
 """Hot reload of triggers.yaml: SIGHUP makes a running listener serve the file's new text.
 
-A worker reloads on its event loop (``ReloadOnHangup``, installed by the app's
-lifespan): the file is loaded and checked as at start-up, then against what only a
-restart can change (the settings its Redis connections, body budget and HTTP parser
-were built with) and against the store's record of each workflow's partitions. A
-file that passes becomes a new ``Serving`` (gateway/ingest/served.py), swapped in with one
-assignment: a delivery that arrived before the swap is handled to its end by the old
-version, every later one by the new. A file that fails is refused and the old
-version kept. Either way one JSON line on stderr says what happened and which
-version serves.
+The file is loaded and checked as at start-up, then against what only a restart can
+change (the settings the Redis connections, body budget and HTTP parser were built
+with) and against the store's record of each workflow's partitions, which it records
+for new workflows. A file that passes becomes a new ``Serving``
+(gateway/ingest/served.py), swapped in with one assignment on the worker's event loop:
+a delivery that arrived before the swap is handled to its end by the old version,
+every later one by the new. A file that fails is refused and the old version kept.
+Either way one JSON line on stderr says what happened and which version serves, and
+the listener answers ``realm triggers reload`` (gateway/serving/pidfile.py).
 
-With several workers the supervisor (gateway/serving/listen.py) checks the file first, so a
-refused file is logged once rather than once per worker, and passes SIGHUP on to
-the workers only when the file passes.
+One worker (``ReloadOnHangup`` with plain ``Reloads()``) does all of that itself.
+
+Several workers: the supervisor (gateway/serving/workers.py) is the only one that
+decides. It reads the file once, runs every check once (the one against Redis
+included), and, if the file passes, writes the text it accepted to a file of its own
+(``AcceptedText``) before it signals the workers. A worker applies that text, not the
+file on disk, and asks Redis nothing: what could differ between the workers (a
+transient Redis error met by one of them, the file rewritten between two reads) is
+settled once, so a reload applies in every worker or in none. The same text is what a
+worker started later serves (one that replaces a worker that died): never a file the
+listener refused, say one with a new ``key_prefix`` or ``partitions``, whose runs
+would land in another keyspace. A two-phase apply (workers prepare, then commit) was
+the alternative; it needs a reply channel from each worker and still has to decide
+what a worker that fails to commit serves.
 
 The environment is the one the listener started with: a trigger may use only the
 secrets it already holds (a new ``secret_env`` variable needs a restart).
@@ -21,13 +32,15 @@ secrets it already holds (a new ``secret_env`` variable needs a restart).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import hashlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -35,9 +48,11 @@ from prometheus_client import Counter, values
 
 from gateway.ingest.served import Serving
 from gateway.link.connection import redis_client
-from gateway.loading import load_config
+from gateway.loading import parse_config
 from gateway.model.config import Config, Durability, Settings
 from gateway.model.errors import ConfigError, StoreUnavailable
+from gateway.model.words import noun
+from gateway.serving.pidfile import Answer, write_answer
 from gateway.store.runstore import RunStore
 
 if TYPE_CHECKING:
@@ -65,11 +80,28 @@ RESTART_SETTINGS = (
 
 @dataclass(frozen=True)
 class Reloaded:
-    """What one reload did. ``version`` is the one serving afterwards."""
+    """What one reload did. ``version`` is the one serving afterwards;
+    ``file_version`` the version of the text read (None: the file could not be read)."""
 
     applied: bool
     version: str
     error: str | None = None
+    file_version: str | None = None
+
+
+def read_file(path: str) -> str:
+    """The config file's text (ConfigError, worded as load_config's, if unreadable)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(path, "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, f"cannot read file: {exc}") from None
+
+
+def text_version(text: str) -> str:
+    """A text's config version, as gateway.loading computes it for a file that parses."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
 def check_restart_settings(running: Settings, config: Config) -> None:
@@ -87,10 +119,10 @@ def check_restart_settings(running: Settings, config: Config) -> None:
         )
 
 
-def load_for_reload(path: str, running: Settings) -> Config:
-    """The file's config if a reload may apply it, as far as can be told without Redis
-    (ConfigError otherwise)."""
-    config = load_config(path)
+def parse_for_reload(text: str, path: str, running: Settings) -> Config:
+    """The config of ``text`` (the file ``path``'s) if a reload may apply it, as far as
+    can be told without Redis (ConfigError otherwise)."""
+    config = parse_config(text, file=path)
     check_restart_settings(running, config)
     return config
 
@@ -105,60 +137,146 @@ def layout_changes(old: Config, new: Config) -> list[str]:
     )
 
 
-async def check_partitions(store: RunStore, old: Config, *, record: bool) -> None:
-    """RunStore.check_layout for ``store`` (bound to the new config). When the store
-    cannot be asked, only a file that adds workflows or changes partitions is refused:
-    the others' layout is the one already serving."""
+async def check_partitions(store: RunStore, old: Config) -> None:
+    """RunStore.check_layout for ``store`` (bound to the new config), recording the
+    partitions of new workflows. When the store cannot be asked, only a file that adds
+    workflows or changes partitions is refused: the others' layout is the one already
+    serving."""
     try:
-        await store.check_layout(record=record)
+        await store.check_layout(record=True)
     except StoreUnavailable as exc:
         changed = layout_changes(old, store.config)
         if changed:
             raise ConfigError(
                 store.config.file,
-                f"workflow(s) {', '.join(changed)} are new or change partitions, and the "
-                f"store could not be asked about their data ({exc.message}); reload again "
+                f"{noun(len(changed), 'workflow')} {', '.join(changed)} "
+                f"{noun(len(changed), 'is new or changes', 'are new or change')} partitions, "
+                f"and the store could not be asked about their data ({exc.message}); reload again "
                 "once it answers",
             ) from None
 
 
 async def check_partitions_at(url: str, new: Config, old: Config) -> None:
-    """check_partitions on a client of its own, recording nothing (the supervisor's
-    check; each worker records when it applies the file)."""
+    """check_partitions on a client of its own (the supervisor's check)."""
     client = redis_client(url, new.settings.redis_timeout)
     try:
-        await check_partitions(RunStore(client, new), old, record=False)
+        await check_partitions(RunStore(client, new), old)
     finally:
         await client.aclose()
 
 
+class AcceptedText:
+    """The text of the config a supervisor of several workers last accepted, in a file
+    of its own (in the listener's private temporary folder): what every worker serves,
+    whenever it starts or reloads. The supervisor writes it; workers read it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._text: str | None = None  # the supervisor's copy
+
+    def write(self, text: str) -> None:
+        """Replace the file whole (write, then rename): a worker never reads half a text."""
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, self.path)
+        self._text = text
+
+    def restore_if_missing(self) -> None:
+        """Write the file again if something removed it (a cleaner of old temporary
+        files, after days without a reload): a worker started next must find it."""
+        if self._text is not None and not self.path.exists():
+            with contextlib.suppress(OSError):
+                self.write(self._text)
+
+    def read(self) -> str:
+        return read_file(str(self.path))
+
+
+class Answers:
+    """The listener's answers to ``realm triggers reload``, numbered (pidfile.Answer),
+    written by the process whose id is in the pid file. No path: none written."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.generation = 0
+
+    def answer(self, outcome: Reloaded) -> None:
+        self.generation += 1
+        if self.path is not None:
+            write_answer(self.path, Answer(
+                pid=os.getpid(), generation=self.generation,
+                result="applied" if outcome.applied else "refused",
+                file_version=outcome.file_version, version=outcome.version, error=outcome.error,
+            ))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reloads:
+    """How a worker's SIGHUP reloads. ``accepted``: under a supervisor, the text it
+    accepted, applied with no check against Redis; None: the file itself, every check
+    made here (one worker). ``answers``: this process answers ``realm triggers reload``."""
+
+    accepted: AcceptedText | None = None
+    answers: Answers | None = None
+
+
 async def reload(webhooks: Webhooks, path: str) -> Reloaded:
-    """Load ``path`` and serve it, or keep the version serving now; one log line."""
+    """Load ``path`` and serve it after every check, or keep the version serving now;
+    one log line."""
+    serving = webhooks.serving
+    assert serving is not None, "the app's lifespan sets webhooks.serving"
+    file_version = None
+    try:
+        text = read_file(path)
+        file_version = text_version(text)
+        config = parse_for_reload(text, path, webhooks.settings)
+        new = Serving.of(config, serving.store)
+        await check_partitions(new.store, serving.config)
+    except ConfigError as exc:
+        return refused(path, serving.version, str(exc), file_version=file_version)
+    except Exception as exc:
+        # The type only: the text of an unexpected error may quote anything.
+        error = f"unexpected {type(exc).__name__}"
+        return refused(path, serving.version, error, file_version=file_version)
+    return _swap(webhooks, new, path, file_version)
+
+
+async def apply_accepted(webhooks: Webhooks, path: str, accepted: AcceptedText) -> Reloaded:
+    """Serve the text the supervisor accepted for ``path``. It passed every check
+    there, in the same environment: nothing here depends on Redis, so every worker
+    comes to the same result."""
     serving = webhooks.serving
     assert serving is not None, "the app's lifespan sets webhooks.serving"
     try:
-        config = load_for_reload(path, webhooks.settings)
+        text = accepted.read()
+        config = parse_for_reload(text, path, webhooks.settings)
         new = Serving.of(config, serving.store)
-        await check_partitions(new.store, serving.config, record=True)
     except ConfigError as exc:
         return refused(path, serving.version, str(exc))
     except Exception as exc:
-        # The type only: the text of an unexpected error may quote anything.
         return refused(path, serving.version, f"unexpected {type(exc).__name__}")
+    return _swap(webhooks, new, path, new.version)
+
+
+def _swap(webhooks: Webhooks, new: Serving, path: str, file_version: str | None) -> Reloaded:
+    old = webhooks.serving
+    assert old is not None
     webhooks.serving = new
     if webhooks.recorder is not None:
-        webhooks.recorder.settings = config.settings
-    log_line("applied", path, new.version, from_version=serving.version)
+        webhooks.recorder.settings = new.config.settings
+    log_line("applied", path, new.version, from_version=old.version)
     CONFIG_RELOADS.labels("applied").inc()
-    return Reloaded(True, new.version)
+    return Reloaded(True, new.version, file_version=file_version)
 
 
-def refused(path: str, version: str, error: str, *, count: bool = True) -> Reloaded:
+def refused(
+    path: str, version: str, error: str, *, count: bool = True, file_version: str | None = None
+) -> Reloaded:
     """Log and count a refused file; ``version`` keeps serving."""
     log_line("refused", path, version, error=error)
     if count:
         CONFIG_RELOADS.labels("refused").inc()
-    return Reloaded(False, version, error)
+    return Reloaded(False, version, error, file_version)
 
 
 def log_line(result: str, path: str, version: str, **fields: Any) -> None:
@@ -200,27 +318,41 @@ _hangup_while_starting = threading.Event()
 
 
 def defer_hangups() -> None:
-    """Until the app's lifespan handles SIGHUP, note one rather than die of it (its
-    default action), for ReloadOnHangup.install to act on."""
+    """Until the app's lifespan (or the supervisor) handles SIGHUP, note one rather
+    than die of it (its default action), for ReloadOnHangup.install (or the
+    supervisor) to act on."""
     signal.signal(signal.SIGHUP, lambda signum, frame: _hangup_while_starting.set())
 
 
-class ReloadOnHangup:
-    """SIGHUP on a worker's event loop reloads ``path``. Reloads run one at a time, in
-    order: a SIGHUP that arrives during one makes one more after it, so the last
-    signal always reads the file as it is after the last write."""
+def hangup_while_starting() -> bool:
+    """Whether a SIGHUP came while this process started (and forget it)."""
+    came = _hangup_while_starting.is_set()
+    _hangup_while_starting.clear()
+    return came
 
-    def __init__(self, webhooks: Webhooks, path: str, sweeper: Sweeper | None = None) -> None:
+
+class ReloadOnHangup:
+    """SIGHUP on a worker's event loop reloads ``path`` (as ``reloads`` says). Reloads
+    run one at a time, in order: a SIGHUP that arrives during one makes one more after
+    it, so the last signal always reads the file as it is after the last write."""
+
+    def __init__(
+        self,
+        webhooks: Webhooks,
+        path: str,
+        sweeper: Sweeper | None = None,
+        reloads: Reloads | None = None,
+    ) -> None:
         self.webhooks = webhooks
         self.path = path
         self.sweeper = sweeper
+        self.reloads = reloads or Reloads()
         self._pending = False
         self._task: asyncio.Task[None] | None = None
 
     def install(self) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.request)
-        if _hangup_while_starting.is_set():  # see defer_hangups
-            _hangup_while_starting.clear()
+        if hangup_while_starting():  # see defer_hangups
             self.request()
 
     def request(self) -> None:
@@ -229,12 +361,19 @@ class ReloadOnHangup:
             self._task = asyncio.get_running_loop().create_task(self._reload_while_asked())
 
     async def _reload_while_asked(self) -> None:
+        accepted, answers = self.reloads.accepted, self.reloads.answers
         while self._pending:
             self._pending = False
-            outcome = await reload(self.webhooks, self.path)
+            if accepted is not None:
+                outcome = await apply_accepted(self.webhooks, self.path, accepted)
+            else:
+                outcome = await reload(self.webhooks, self.path)
             if outcome.applied and self.sweeper is not None and self.webhooks.serving:
-                # The sweep follows the workflows of the version serving (from its next tick).
-                self.sweeper.store = self.webhooks.serving.store
+                # The sweep follows the workflows of the version serving (from its next
+                # tick), whose streams get the runners' group now.
+                await self.sweeper.follow(self.webhooks.serving.store)
+            if answers is not None:
+                answers.answer(outcome)
 
     async def remove(self) -> None:
         """Stop reloading (at shutdown); a late SIGHUP is ignored, not fatal."""
@@ -244,29 +383,6 @@ class ReloadOnHangup:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-
-
-class _StandInSecrets(Mapping[str, str]):
-    """An environment in which every variable is set, to a stand-in secret (one that
-    also fits the Standard Webhooks format): the file is checked, not the environment
-    of the shell it is checked from."""
-
-    _STAND_IN = "whsec_c3RhbmQtaW4="
-
-    def __getitem__(self, name: str) -> str:
-        return self._STAND_IN
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-def load_without_secrets(path: str) -> Config:
-    """``realm triggers reload``'s check of the file before it signals a listener: all
-    but the secrets, which the listener checks in its own environment."""
-    return load_config(path, env=_StandInSecrets())
 
 
 def _shown(value: object) -> str:

@@ -16,20 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from gateway.link.blocking import BlockingReader
 from gateway.link.cluster_pipeline import script_pipeline
+from gateway.link.connection import unreachable
 from gateway.link.durability import confirmed_script
+from gateway.link.pool import WAIT_CLOCK
 from gateway.link.sentinel import sentinel_pipeline
 from gateway.model.config import Config, Workflow
 from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.store.keys import Keys, partition_keys, partition_of, partition_of_run
-from gateway.store.runs import Run, check_request_id, check_run_id, new_run_id, run_from_hash
+from gateway.store.runs import (
+    Run,
+    check_request_id,
+    check_run_id,
+    new_run_id,
+    run_from_hash,
+    text_of,
+)
 from gateway.store.scripts import Scripts
 
 T = TypeVar("T")
@@ -68,6 +79,8 @@ class StoreBase:
         # the store, so they are set up with it.
         self._groups: set[str] = set()  # workflows whose runner groups exist
         self._autoclaim: dict[str, str] = {}  # per stream: where XAUTOCLAIM goes on
+        self._waits: dict[tuple[str, str], BlockingReader] = {}  # per runner and server
+        self._only: dict[str, Mapping[str, Collection[str]]] = {}  # per runner (take_only)
         self._keys = {
             name: partition_keys(self.prefix, name, wf.partitions)
             for name, wf in config.workflows.items()
@@ -164,7 +177,7 @@ class StoreBase:
                 return await call()
             except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
                 if attempt == 2:
-                    raise StoreUnavailable(f"Redis is unreachable: {_describe(exc)}") from None
+                    raise StoreUnavailable(unreachable(exc)) from None
             except redis_errors.NoScriptError:
                 # The script cache was lost again between a reload and its resend:
                 # the call did not run, so going again is safe.
@@ -174,8 +187,9 @@ class StoreBase:
                 # Replies that mean "not now" (redis-py maps some to their own
                 # ResponseError subclasses, and leaves others plain): the command was
                 # refused before it ran, nothing was written, and a retry later may pass.
-                if isinstance(exc, _NOT_NOW) or str(exc).startswith(NOT_NOW_PREFIXES):
-                    raise StoreUnavailable(f"Redis refused the call: {_describe(exc)}") from None
+                reply = _reply_of(exc)
+                if isinstance(exc, _NOT_NOW) or reply.startswith(NOT_NOW_PREFIXES):
+                    raise StoreUnavailable(f"Redis refused the call: {reply}") from None
                 raise
             except (redis_errors.ClusterError, redis_errors.RedisClusterException) as exc:
                 # A cluster in the middle of a change (redirections that did not settle
@@ -199,6 +213,23 @@ NOT_NOW_PREFIXES = (
     "BUSY ", "LOADING", "READONLY", "MASTERDOWN", "MISCONF", "OOM", "TRYAGAIN",
     "CLUSTERDOWN", "NOREPLICAS",
 )  # fmt: skip
+# redis-py rewrites an error reply to a pipelined command as "Command # 1 (GET k) of
+# pipeline caused error: ('BUSY …',)" (the reply bare, not in a tuple, before 6.0),
+# which no prefix of a reply matches: the reply it wraps is what is classified.
+_PIPELINE_ERROR = re.compile(
+    r"Command # \d+ \(.*\) of pipeline caused error: (?:\((['\"])(.*)\1,\)|(.*))", re.DOTALL
+)
+
+
+def _reply_of(exc: redis_errors.ResponseError) -> str:
+    """The server's error reply that ``exc`` holds, unwrapped from a pipeline's message."""
+    text = str(exc)
+    wrapped = _PIPELINE_ERROR.fullmatch(text)
+    if wrapped is None:
+        return text
+    return wrapped.group(2) if wrapped.group(1) else wrapped.group(3)
+
+
 _NOT_NOW = (
     redis_errors.OutOfMemoryError,
     redis_errors.ReadOnlyError,
@@ -213,18 +244,48 @@ _NOT_NOW = (
 
 class _Deadline:
     """``asyncio.timeout`` that ends in ``StoreUnavailable``. A class, not a generator
-    context manager: it is entered once per delivery, on the hot path."""
+    context manager: it is entered once per delivery, on the hot path.
 
-    __slots__ = ("_timeout", "seconds")
+    It times Redis, not this process: while a call of the operation waits for a pool
+    connection (gateway/link/pool.py) it is paused, with the deadlines it is nested in.
+    Calls of one operation may wait at once (gather): paused while any of them waits."""
+
+    __slots__ = ("_left", "_outer", "_timeout", "_token", "_waiting", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self._waiting = 0
 
     async def __aenter__(self) -> None:
         self._timeout = asyncio.timeout(self.seconds)
         await self._timeout.__aenter__()
+        self._outer = WAIT_CLOCK.get()
+        self._token = WAIT_CLOCK.set(self)
+
+    def wait_started(self) -> None:
+        self._waiting += 1
+        if self._waiting == 1:
+            when = self._timeout.when()
+            self._left = None if when is None else when - asyncio.get_running_loop().time()
+            self._reschedule(None)
+        if self._outer is not None:
+            self._outer.wait_started()
+
+    def wait_ended(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0 and self._left is not None:
+            self._reschedule(asyncio.get_running_loop().time() + self._left)
+        if self._outer is not None:
+            self._outer.wait_ended()
+
+    def _reschedule(self, when: float | None) -> None:
+        # Not once the timeout fired or the operation ended: then there is nothing to move.
+        if not self._timeout.expired() and self._token is not None:
+            self._timeout.reschedule(when)
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        WAIT_CLOCK.reset(self._token)
+        self._token = None
         try:
             await self._timeout.__aexit__(*exc_info)
         except TimeoutError:
@@ -261,6 +322,32 @@ def not_live(run_id: str, phase: str) -> RealmError:
     return RealmError(
         "STATE_RUN_NOT_LIVE",
         f"Run '{run_id}' is not live (phase '{phase}'); the result was discarded.",
+    )
+
+
+# What each kind of call a script records under an operation id did (op_recall in
+# gateway/store/lua/_lib.lua), for the refusal of an id reused for another call.
+_CALLS = {
+    "complete_step": "completing step '{step}' of run '{target}'",
+    "fail_step": "failing an attempt at step '{step}' of run '{target}'",
+    "failed": "failing run '{target}'",
+    "cancelled": "cancelling run '{target}'",
+    "cancel_key": "cancelling the live run of an idempotency key",
+}
+
+
+def check_op_reused(reply: Sequence[Any]) -> None:
+    """Raise STATE_REQUEST_ID_REUSED when a script answered ``op_reused``: the operation
+    id (a caller's ``request_id``) already named another call, whose answer it would
+    otherwise have got without anything done."""
+    if not reply or text_of(reply[0]) != "op_reused":
+        return
+    kind, target, step = ([text_of(x) for x in reply[1:4]] + ["", "", ""])[:3]
+    earlier = _CALLS.get(kind, "another kind of call").format(target=target, step=step)
+    raise RealmError(
+        "STATE_REQUEST_ID_REUSED",
+        f"This request_id already named another call ({earlier}); a request_id names one "
+        "call: send this one with a new request_id.",
     )
 
 

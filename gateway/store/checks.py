@@ -4,7 +4,7 @@ that the server answers (``ping``), and that every script loads (``load_scripts`
 
 Apart from the rest because these are checks, not operations on runs: the listener,
 a reload and the CLI check the layout before they use the store, and the app loads
-the scripts at start-up and on every readiness probe (gateway/serving/app.py).
+the scripts at start-up, and checks them on every readiness probe (gateway/serving/app.py).
 """
 
 from __future__ import annotations
@@ -57,6 +57,21 @@ class StoreChecks(StoreBase):
         """The server answers; on a cluster, every primary does (each slot has a home)."""
         async with self.deadline():
             await self._retrying(lambda: ping_every_primary(self.redis))
+
+    async def ensure_scripts(self) -> None:
+        """Every script is in the server's cache: one SCRIPT EXISTS, and a SCRIPT LOAD of
+        those missing only (a server restarted or flushed). The readiness probe's check,
+        asked every few seconds by every worker: it costs Redis one command."""
+        scripts = self.scripts.all()
+        async with self.deadline():
+            cached = await self._retrying(
+                lambda: self.redis.script_exists(*(script.sha for script in scripts))
+            )
+            for script, there in zip(scripts, cached, strict=True):
+                if not there:
+                    await self._retrying(
+                        lambda script=script: self.redis.script_load(script.script)
+                    )
 
     async def load_scripts(self) -> None:
         """Load every script now, so a broken script or server fails at start-up."""

@@ -10,7 +10,14 @@ safe to repeat under the same ``op_id`` (the script records what it did).
 from __future__ import annotations
 
 from gateway.model.errors import StoreUnavailable
-from gateway.store.base import StoreBase, lease_lost, not_live, op_id_or_new, run_not_found
+from gateway.store.base import (
+    StoreBase,
+    check_op_reused,
+    lease_lost,
+    not_live,
+    op_id_or_new,
+    run_not_found,
+)
 from gateway.store.runs import Run, check_key, text_of
 from gateway.store.starts import MAX_CLAIM_CALLS
 
@@ -64,6 +71,7 @@ class RunEndings(StoreBase):
                         [expected, wf.retention_ms],
                     )
                 )
+                check_op_reused(reply)
                 outcome = text_of(reply[0])
                 if outcome != "moved":
                     return 1 if outcome == "cancelled" else 0
@@ -82,6 +90,7 @@ class RunEndings(StoreBase):
             reply = await self._retrying(
                 lambda: self._run_script(self.scripts.end_run, script_keys, argv)
             )
+        check_op_reused(reply)
         outcome, final = text_of(reply[0]), text_of(reply[1])
         if outcome == "not_found":
             raise run_not_found(run_id)

@@ -65,6 +65,10 @@ class Keys:
         """String: the key-index score the shared sweep goes on from."""
         return f"{self._base}:keysweep"
 
+    def stream_sweep(self) -> str:
+        """String: the stream entry id the shared sweep's walk of old entries goes on from."""
+        return f"{self._base}:streamsweep"
+
     def pointer(self, key: str) -> str:
         """Hash: the run an idempotency key points at, with its phase and step."""
         return f"{self._base}:key:{key}"

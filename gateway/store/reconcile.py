@@ -25,6 +25,7 @@ on a Redis Cluster each index is in its partition's slot, read on its primary al
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from gateway.model.words import noun, plural
 from gateway.store.keys import Keys
 from gateway.store.runs import new_run_id, text_of
 from gateway.store.runstore import RunStore
@@ -79,11 +81,11 @@ class ReconcileReport:
 
     def text(self) -> str:
         if self.dry_run:
-            head = f"Would write {self.to_write} pointer(s)"
+            head = f"Would write {plural(self.to_write, 'pointer')}"
         else:
-            head = f"Wrote {self.written} pointer(s)"
+            head = f"Wrote {plural(self.written, 'pointer')}"
         lines = [
-            f"{head} across {self.groups} key group(s); {self.current} already current.",
+            f"{head} across {plural(self.groups, 'key group')}; {self.current} already current.",
         ]
         if self.missing or self.stale:
             lines.append(f"Missing pointers: {self.missing}; stale pointers: {self.stale}.")
@@ -92,13 +94,20 @@ class ReconcileReport:
                 f"Dangling pointers (naming a run that no longer exists): {self.dangling}."
             )
         if self.deleted:
-            lines.append(f"Deleted {self.deleted} dangling pointer(s): their key has no run left.")
+            lines.append(
+                f"Deleted {plural(self.deleted, 'dangling pointer')}: "
+                f"{noun(self.deleted, 'its key has', 'their keys have')} no run left."
+            )
         if self.moved:
-            lines.append(f"Left {self.moved} pointer(s) alone: a start moved them meanwhile.")
+            lines.append(
+                f"Left {plural(self.moved, 'pointer')} alone: a start moved "
+                f"{noun(self.moved, 'it', 'them')} meanwhile."
+            )
         lines.append(f"Duplicate-key groups: {self.duplicate_groups}")
         for d in self.duplicates:
+            # The key names the group: the one to look up (`realm run list --key`).
             lines.append(
-                f"  - workflow '{d.workflow}' → canonical {d.canonical}; "
+                f"  - workflow '{d.workflow}', key {_shown(d.key)} → canonical {d.canonical}; "
                 f"other runs: {', '.join(d.others)}"
             )
         if self.duplicate_groups > len(self.duplicates):
@@ -128,6 +137,14 @@ class ReconcileReport:
             ],
             "message": self.text(),
         }
+
+
+def _shown(key: str) -> str:
+    """A key as the report prints it: as it is when plain (printable, not starting with
+    a quote), else as a JSON string literal, so that no key can break or forge a line."""
+    if key.isprintable() and not key.startswith('"'):
+        return key
+    return json.dumps(key)
 
 
 async def reconcile(

@@ -17,6 +17,7 @@ import orjson
 
 from gateway.model.config import Workflow
 from gateway.model.errors import RealmError
+from gateway.model.words import noun
 
 LiveMatch = Literal["use_existing", "fail", "cancel_existing"]
 TerminalMatch = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
@@ -172,7 +173,7 @@ def prepare_items(
         key = item.get("idempotency_key")
         reasons: list[str] = []
         if unknown:
-            reasons.append(f"unknown field(s) {unknown}")
+            reasons.append(f"unknown {noun(len(unknown), 'field')} {unknown}")
         if key is not None and (
             not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES
         ):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.model.errors import RealmError, StoreUnavailable
+from gateway.model.words import plural
 from gateway.store.base import StoreBase
 from gateway.store.keys import Keys, partition_of, run_id_in
 from gateway.store.policy import Decision, KeyState, decide
@@ -220,7 +221,7 @@ class RunStarts(StoreBase):
         if failures:
             raise RealmError(
                 "VALIDATION_BATCH_ITEMS",
-                f"start_run_batch: {len(failures)} item(s) failed schema validation\n"
+                f"start_run_batch: {plural(len(failures), 'item')} failed schema validation\n"
                 + "".join(f"  - item {i}: {reason}\n" for i, reason in failures)
                 + "One or more items failed schema validation. No runs were created.",
             )

@@ -100,8 +100,14 @@ def _list_row(item: Mapping[str, Any]) -> Html:
     )
 
 
-def delivery_page(record: Mapping[str, Any], not_replayable: str | None, frame: Frame) -> Html:
-    """One delivery. ``not_replayable``: why it cannot be replayed (None: it can)."""
+def delivery_page(
+    record: Mapping[str, Any],
+    not_replayable: str | None,
+    frame: Frame,
+    phases: Mapping[str, str | None] | None = None,
+) -> Html:
+    """One delivery. ``not_replayable``: why it cannot be replayed (None: it can);
+    ``phases``: the phase each run it names is in now (None: the run is gone)."""
     facts = rows(
         [
             ("Id", fill('<code class="id">{id}</code>', id=record["delivery_id"])),
@@ -116,14 +122,17 @@ def delivery_page(record: Mapping[str, Any], not_replayable: str | None, frame: 
             ("Replayed as", "rerun (new runs)" if record.get("rerun") else None),
         ]
     )
-    body = facts + _triggers_table(record.get("triggers") or [], bool(record.get("replay_of")))
+    triggers = record.get("triggers") or []
+    body = facts + _triggers_table(triggers, bool(record.get("replay_of")), phases or {})
     body += _replay_form(record["delivery_id"], not_replayable, frame.csrf)
     body += _headers_table(record.get("headers"))
     body += _body_block(record)
     return page(f"Delivery {record['delivery_id']}", body, frame)
 
 
-def _triggers_table(triggers: Sequence[Mapping[str, Any]], replay: bool) -> Html:
+def _triggers_table(
+    triggers: Sequence[Mapping[str, Any]], replay: bool, phases: Mapping[str, str | None]
+) -> Html:
     """Each trigger of the path and each step's word on it: the signature, ``when``,
     what was extracted, the decision and why. (A record written before the log kept
     the steps has the decision only.)"""
@@ -145,7 +154,7 @@ def _triggers_table(triggers: Sequence[Mapping[str, Any]], replay: bool) -> Html
             when=_when(t),
             key=_extracted(t),
             outcome=badge(t["outcome"]),
-            run=_run(t),
+            run=_run(t, phases),
             why=_why(t),
         )
         for t in triggers
@@ -193,10 +202,18 @@ def _extracted(t: Mapping[str, Any]) -> Html:
     return join(parts, "<br>")
 
 
-def _run(t: Mapping[str, Any]) -> Html:
+def _run(t: Mapping[str, Any], phases: Mapping[str, str | None]) -> Html:
+    """The run a trigger was given, with its phase now; the phase the record holds is
+    the one at delivery, shown (so labelled) when it differs or the run is gone."""
     run = run_link(t.get("run_id"))
-    if t.get("phase"):
-        run += fill(' <span class="hint">({phase})</span>', phase=t["phase"])
+    recorded = t.get("phase")
+    if t.get("run_id") in phases:
+        now = phases[t["run_id"]]
+        run += fill(" {b}", b=badge(now)) if now else Html(' <span class="hint">(gone)</span>')
+        if recorded and recorded != now:
+            run += fill('<br><span class="hint">{phase} at delivery</span>', phase=recorded)
+    elif recorded:
+        run += fill(' <span class="hint">({phase} at delivery)</span>', phase=recorded)
     if t.get("rerun_of"):
         run += fill('<br><span class="hint">rerun of</span> {old}', old=run_link(t["rerun_of"]))
     return run

@@ -10,12 +10,14 @@ from elsewhere (``SECURITY_HEADERS``): the pages show what senders sent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode
 
 from redis import exceptions as redis_errors
@@ -30,7 +32,16 @@ from gateway.deliveries.log import (
     replay,
     replay_input,
 )
-from gateway.faces.ui.auth import UiAuth, end_session, set_session
+from gateway.faces.api import OVERLOADED_RETRY_AFTER
+from gateway.faces.ui.auth import (
+    LOGIN_ATTEMPTS,
+    UiAuth,
+    clear_session,
+    client_of,
+    is_https,
+    login_attempt,
+    set_session,
+)
 from gateway.faces.ui.delivery_views import deliveries_page, delivery_page
 from gateway.faces.ui.layout import NOTICES, Frame, login_page, message_page
 from gateway.faces.ui.markup import Html
@@ -55,6 +66,9 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",  # the pages hold payloads
 }
+# What a page answers with an error page: a coded refusal, or Redis failing (the store
+# maps its errors to StoreUnavailable; a bare one is still "not now", never a 500).
+PAGE_ERRORS = (RealmError, redis_errors.ConnectionError, redis_errors.TimeoutError)
 STATIC_TYPES = {"ui.css": "text/css; charset=utf-8", "icon.svg": "image/svg+xml"}
 OFF = (
     "The inspector is off: set REALM_API_TOKEN in the gateway's environment to enable it "
@@ -64,11 +78,12 @@ OFF = (
 
 @dataclass(frozen=True)
 class Visit:
-    """A request from a logged-in browser: what is served now, the session's CSRF value,
-    and the form it posted (empty for a GET)."""
+    """A request from a logged-in browser: what is served now, the session and its CSRF
+    value, and the form it posted (empty for a GET)."""
 
     request: Request
     serving: Serving
+    session: str
     csrf: str
     form: Mapping[str, str] = field(default_factory=dict)
 
@@ -83,6 +98,7 @@ class Visit:
 
 
 Page = Callable[[Visit], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def ui_routes(token: str | None) -> list[Route]:
@@ -107,11 +123,25 @@ def ui_routes(token: str | None) -> list[Route]:
         if auth is None:
             return _html(message_page("Inspector off", OFF), 403)
         next_path = _safe_next(request.query_params.get("next", "/ui"))
+        serving: Serving = request.state.serving
+        proxies = serving.config.settings.trusted_proxies
         if request.method == "GET":
-            if auth.session_of(request) is not None:
+            if await auth.session_of(request, serving.store) is not None:
                 return _redirect(next_path)
             notice = NOTICES.get(request.query_params.get("notice", ""))
             return _html(login_page(next_path, Frame(notice=notice)))
+        # Counted before the form is read: past the limit, not even a right token passes.
+        client = client_of(request, proxies)
+        wait = await login_attempt(serving.store, client)
+        if wait:
+            log.warning("/ui/login: too many attempts from %s", client)
+            error = (
+                f"Too many login attempts from your address ({LOGIN_ATTEMPTS} a minute at "
+                f"most): try again in {wait} s."
+            )
+            response = _html(login_page(next_path, Frame(error=error)), 429)
+            response.headers["Retry-After"] = str(wait)
+            return response
         try:
             form = await _form(request)
         except RealmError as exc:
@@ -121,14 +151,23 @@ def ui_routes(token: str | None) -> list[Route]:
             error = "That is not the gateway's API token (REALM_API_TOKEN)."
             return _html(login_page(next_path, Frame(error=error)), 401)
         response = _redirect(next_path)
-        set_session(response, request, auth.new_session())
+        session = await auth.start_session(serving.store)
+        set_session(response, session, secure=is_https(request, proxies))
         return response
 
-    def guarded(page: Page, *, post: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    async def logout(visit: Visit) -> Response:
+        assert auth is not None
+        await auth.end_session(visit.store, visit.session)
+        response = _redirect("/ui/login?notice=logged-out")
+        proxies = visit.serving.config.settings.trusted_proxies
+        clear_session(response, secure=is_https(visit.request, proxies))
+        return response
+
+    def guarded(page: Page, *, post: bool = False) -> Endpoint:
         async def endpoint(request: Request) -> Response:
             if auth is None:
                 return _html(message_page("Inspector off", OFF), 403)
-            session = auth.session_of(request)
+            session = await auth.session_of(request, request.state.store)
             if session is None:
                 if post:
                     text = "You are not logged in (or your session ended): log in, then try again."
@@ -147,21 +186,13 @@ def ui_routes(token: str | None) -> list[Route]:
                         "reload the page and try again."
                     )
                     return _html(message_page("Refused", text, Frame(csrf)), 403)
-            visit = Visit(request, request.state.serving, csrf, form)
+            visit = Visit(request, request.state.serving, session, csrf, form)
             try:
                 return await page(visit)
-            except RealmError as exc:
-                return _error_page(visit, exc)
-            except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-                log.error(
-                    "%s %s: the store failed: %s",
-                    request.method,
-                    request.url.path,
-                    type(exc).__name__,
-                )
-                return _error_page(visit, StoreUnavailable("Redis is unavailable; retry"))
+            except PAGE_ERRORS as exc:
+                return _error_page(request, exc, visit.frame())
 
-        return endpoint
+        return _store_safe(endpoint)
 
     # HTML pages, not API: left out of /openapi.json (include_in_schema).
     pages: list[tuple[str, Callable[[Request], Awaitable[Response]], list[str]]] = [
@@ -172,7 +203,7 @@ def ui_routes(token: str | None) -> list[Route]:
         ("/ui/runs", guarded(runs), ["GET"]),
         ("/ui/runs/{run_id}", guarded(run), ["GET"]),
         ("/ui/runs/{run_id}/cancel", guarded(cancel, post=True), ["POST"]),
-        ("/ui/login", login, ["GET", "POST"]),
+        ("/ui/login", _store_safe(login), ["GET", "POST"]),
         ("/ui/logout", guarded(logout, post=True), ["POST"]),
         ("/ui/static/{name}", static_file, ["GET"]),
     ]
@@ -208,7 +239,26 @@ async def deliveries(visit: Visit) -> Response:
 
 async def delivery(visit: Visit) -> Response:
     record = await get_delivery(visit.store, visit.request.path_params["delivery_id"])
-    return _html(delivery_page(record, _not_replayable(record, visit.serving), visit.frame()))
+    phases = await _phases_now(visit.store, record.get("triggers") or [])
+    page = delivery_page(record, _not_replayable(record, visit.serving), visit.frame(), phases)
+    return _html(page)
+
+
+async def _phases_now(
+    store: RunStore, triggers: Sequence[Mapping[str, Any]]
+) -> dict[str, str | None]:
+    """The phase each run a delivery's triggers were given is in now (the record holds
+    the one at delivery); None for a run that expired."""
+    runs = {t["run_id"]: str(t.get("workflow")) for t in triggers if t.get("run_id")}
+
+    async def phase(run_id: str, workflow: str) -> str | None:
+        name = store.keys_for_run(workflow, run_id).run(run_id)
+        raw = await store.call(lambda: store.redis.hget(name, "phase"))
+        return raw.decode() if raw else None
+
+    async with store.deadline():
+        found = await asyncio.gather(*(phase(r, wf) for r, wf in runs.items()))
+    return dict(zip(runs, found, strict=True))
 
 
 def _not_replayable(record: Mapping[str, object], serving: Serving) -> str | None:
@@ -323,12 +373,6 @@ async def cancel(visit: Visit) -> Response:
     return _redirect(f"/ui/runs/{quote(run_id)}?notice={notice}")
 
 
-async def logout(visit: Visit) -> Response:
-    response = _redirect("/ui/login?notice=logged-out")
-    end_session(response, visit.request)
-    return response
-
-
 # -- plumbing ---------------------------------------------------------------------------
 
 
@@ -341,19 +385,40 @@ def _redirect(url: str) -> Response:
     return RedirectResponse(url, 303, headers=SECURITY_HEADERS)
 
 
-def _error_page(visit: Visit, error: RealmError) -> Response:
+def _store_safe(endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` with the store's refusals before any page was built (the session's
+    check, the login's count) answered as an error page, never a traceback."""
+
+    async def safe(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except PAGE_ERRORS as exc:
+            return _error_page(request, exc, Frame())
+
+    return safe
+
+
+def _error_page(request: Request, exc: Exception, frame: Frame) -> Response:
+    """A coded error (``PAGE_ERRORS``) as a page."""
+    if not isinstance(exc, RealmError):
+        log.error("%s %s: the store failed: %s", request.method, request.url.path,
+                  type(exc).__name__)  # fmt: skip
+        exc = StoreUnavailable("Redis is unavailable; retry")
     headers = {}
-    if error.code == "STORE_UNAVAILABLE":
+    if exc.code == "STORE_UNAVAILABLE":
         status, title = 503, "Store unavailable"
         headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-    elif error.code.startswith("NOT_FOUND_"):
+    elif exc.code == "OVERLOADED":
+        status, title = 503, "Busy"
+        headers["Retry-After"] = OVERLOADED_RETRY_AFTER
+    elif exc.code.startswith("NOT_FOUND_"):
         status, title = 404, "Not found"
-    elif error.code.startswith("STATE_"):
+    elif exc.code.startswith("STATE_"):
         status, title = 409, "Refused"
     else:
         status, title = 422, "Not understood"
-    back = "/ui/runs" if visit.request.url.path.startswith("/ui/runs") else "/ui"
-    page = message_page(title, f"{error.code}: {error.message}", visit.frame(), back=back)
+    back = "/ui/runs" if request.url.path.startswith("/ui/runs") else "/ui"
+    page = message_page(title, f"{exc.code}: {exc.message}", frame, back=back)
     response = _html(page, status)
     response.headers.update(headers)
     return response

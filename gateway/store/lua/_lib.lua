@@ -33,9 +33,14 @@ end
 -- decision would say now. Kept for OP_TTL_MS: longer than any resend, and short enough
 -- that the records of a busy gateway stay small; never longer than the workflow's
 -- retention, after which the run itself is gone and a resend learns that instead.
+--
+-- An id names one call: the record keeps `what` the call was ({kind, run or key,
+-- step}), and the same id sent with another `what` is refused (op_recall answers
+-- {'op_reused', kind, run or key, step}: STATE_REQUEST_ID_REUSED), never answered
+-- with the first call's reply, which would acknowledge it without effect.
 local OP_TTL_MS = 120000
 
-local function op_recall(op_key)
+local function op_recall(op_key, what)
   if not op_key or op_key == '' then
     return nil
   end
@@ -43,13 +48,25 @@ local function op_recall(op_key)
   if not stored then
     return nil
   end
-  return cjson.decode(stored)
+  local record = cjson.decode(stored)
+  if record.r == nil then
+    return record  -- written by an older version: the reply alone
+  end
+  local was = record.w
+  if what then
+    for i = 1, 3 do
+      if (was[i] or '') ~= (what[i] or '') then
+        return {'op_reused', was[1] or '', was[2] or '', was[3] or ''}
+      end
+    end
+  end
+  return record.r
 end
 
-local function op_remember(op_key, reply, retention_ms)
+local function op_remember(op_key, reply, retention_ms, what)
   if op_key and op_key ~= '' then
     local ttl = math.min(OP_TTL_MS, tonumber(retention_ms) or OP_TTL_MS)
-    redis.call('SET', op_key, cjson.encode(reply), 'PX', ttl)
+    redis.call('SET', op_key, cjson.encode({r = reply, w = what or {}}), 'PX', ttl)
   end
   return reply
 end
@@ -79,6 +96,28 @@ end
 local function ack(stream, entry)
   if entry and entry ~= '' then
     redis.call('XACK', stream, RUNNERS_GROUP, entry)
+  end
+end
+
+-- A step's stream entry while a lease (or a retry's wait) runs until `until_ms`:
+-- its idle time is set so that it reaches `horizon_ms`, the idle time after which
+-- runners look at pending entries again (XAUTOCLAIM), when the lease lapses, and not
+-- before. So the steps runners hold are never re-claimed while their leases are
+-- valid, however many there are. Redis keeps a delivery time in the future at now:
+-- a lease longer than the horizon is looked at (and found held) once per horizon.
+local function park(stream, consumer, entry, until_ms, horizon_ms, now)
+  local delivered = math.max(0, math.min(now, until_ms - horizon_ms))
+  redis.call('XCLAIM', stream, RUNNERS_GROUP, consumer, 0, entry, 'TIME', delivered, 'JUSTID')
+end
+
+-- `park` for an entry whose consumer the caller does not know (a heartbeat, a retry).
+local function repark(stream, entry, until_ms, horizon_ms, now)
+  if not entry or entry == '' then
+    return
+  end
+  local found = redis.call('XPENDING', stream, RUNNERS_GROUP, entry, entry, 1)
+  if found[1] then
+    park(stream, found[1][2], entry, until_ms, horizon_ms, now)
   end
 end
 

@@ -16,15 +16,18 @@ Reply: {outcome, run_id}
   cancelled   that run was live and is now cancelled
   not_live    the key's run had already ended; nothing changed
   no_key      the key points at no run (or at one that no longer exists: the
-              pointer is removed, so the key is free)
+              pointer is removed, so the key is free, and the key's run set
+              expires after ARGV[2])
   moved       the key now points at run_id: read it again and retry
+  op_reused   the operation id already named another call (op_recall in _lib.lua)
 A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
 local pointer, keyruns, run_key, op = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expected, retention_ms = ARGV[1], ARGV[2]
 
-local recalled = op_recall(op)
+local what = {'cancel_key', pointer, ''}
+local recalled = op_recall(op, what)
 if recalled then
   return recalled
 end
@@ -39,10 +42,13 @@ if not redis.call('HGET', run_key, 'id') then
   -- The pointer names a run that no longer exists: nothing is live under the key.
   redis.call('DEL', pointer)
   redis.call('ZREM', keyruns, expected)
+  -- The run set was kept for as long as that run was live (no TTL); its other runs
+  -- ended and expire within retention, so it expires then too, as after an ending.
+  redis.call('PEXPIRE', keyruns, retention_ms)
   return {'no_key', ''}
 end
 if cur[2] ~= 'running' then
-  return op_remember(op, {'not_live', cur[1]}, retention_ms)
+  return op_remember(op, {'not_live', cur[1]}, retention_ms, what)
 end
 end_run(run_key, expected, 'cancelled', now_ms(), retention_ms, pointer, keyruns)
-return op_remember(op, {'cancelled', expected}, retention_ms)
+return op_remember(op, {'cancelled', expected}, retention_ms, what)

@@ -9,7 +9,7 @@ KEYS[5]  runs of this key (with 4)     realm:{wf}:keyruns:<key>
 
 ARGV[1] run id   ARGV[2] the step that finished   ARGV[3] retention in ms
 ARGV[4] the runner's lease token ('' = an operator's report: no lease checked)
-ARGV[5] the step's output (JSON text; '' = none)
+ARGV[5] the step's output (JSON text; '' = none: the next step gets null)
 ARGV[6] the stream entry the runner took ('' = unknown)
 
 Reply: {outcome, phase, step}
@@ -19,6 +19,8 @@ Reply: {outcome, phase, step}
   not_live    the run has ended (phase says how): STATE_RUN_NOT_LIVE; discarded
   wrong_step  ARGV[2] is not the current step (step names the current one); discarded
   lease_lost  another runner holds a newer lease on the step; discarded
+  op_reused   the operation id already named another call: {'op_reused', kind, run, step}
+              (op_recall in _lib.lua); nothing written
 The step's stream entry is acknowledged for the runners when the step is done or
 its result discarded for good (check_report in _lib.lua).
 A resend of this call (same operation record) gets the first attempt's reply.
@@ -28,7 +30,8 @@ local run_key, stream, op, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local run_id, done_step, retention_ms = ARGV[1], ARGV[2], ARGV[3]
 local token, output, entry_id = ARGV[4], ARGV[5], ARGV[6]
 
-local recalled = op_recall(op)
+local what = {'complete_step', run_id, done_step}
+local recalled = op_recall(op, what)
 if recalled then
   return recalled
 end
@@ -49,13 +52,16 @@ for i, name in ipairs(steps) do
   end
 end
 ack(stream, run[4])
+-- The next step's input is this step's output: none is null, never an earlier one's.
 if output ~= '' then
   redis.call('HSET', run_key, 'output', output)
+else
+  redis.call('HDEL', run_key, 'output')
 end
 
 if next_step == nil then
   end_run(run_key, run_id, 'completed', now, retention_ms, pointer, keyruns)
-  return op_remember(op, {'completed', 'completed', done_step}, retention_ms)
+  return op_remember(op, {'completed', 'completed', done_step}, retention_ms, what)
 end
 local entry = redis.call('XADD', stream, '*', 'run_id', run_id, 'workflow', run[2],
   'step', next_step, 'params', run[3])
@@ -65,4 +71,4 @@ redis.call('HDEL', run_key, 'lease', 'lease_until')
 if pointer and redis.call('HGET', pointer, 'run') == run_id then
   redis.call('HSET', pointer, 'step', next_step)
 end
-return op_remember(op, {'advanced', 'running', next_step}, retention_ms)
+return op_remember(op, {'advanced', 'running', next_step}, retention_ms, what)

@@ -16,6 +16,7 @@ Reply: {outcome, phase}
   not_live    the run had already ended (phase says how); nothing changed
   not_found   no such run (never existed, or expired)
   lease_lost  ARGV[5] is not the run's lease (another runner holds the step): nothing changed
+  op_reused   the operation id already named another call (op_recall in _lib.lua)
 The run's current step entry is acknowledged for the runners when it ends.
 A resend of this call (same operation record) gets the first attempt's reply.
 ]]
@@ -24,7 +25,8 @@ local run_key, op, stream, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local run_id, final_phase, retention_ms, error_text = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local token = ARGV[5] or ''
 
-local recalled = op_recall(op)
+local what = {final_phase, run_id, ''}
+local recalled = op_recall(op, what)
 if recalled then
   return recalled
 end
@@ -43,4 +45,4 @@ if error_text ~= '' then
   redis.call('HSET', run_key, 'error', error_text)
 end
 end_run(run_key, run_id, final_phase, now_ms(), retention_ms, pointer, keyruns, stream)
-return op_remember(op, {'ended', final_phase}, retention_ms)
+return op_remember(op, {'ended', final_phase}, retention_ms, what)

@@ -10,12 +10,14 @@ KEYS[5]  runs of this key (with 4)     realm:{wf}:keyruns:<key>
 ARGV[1] run id   ARGV[2] the step   ARGV[3] retention in ms   ARGV[4] lease token
 ARGV[5] the error text   ARGV[6] max attempts   ARGV[7] backoff in ms (attempt n waits
 ARGV[7] * 2^(n-1))   ARGV[8] backoff cap in ms   ARGV[9] the runner's stream entry
+ARGV[10] the horizon in ms (take_step.lua): the retry is looked at when it is due
 
 Reply: {outcome, phase, step, attempt, retry_at}
   retry       attempts are left: the lease is given up and the step is taken again
               (same entry, still pending) once retry_at (server ms) has passed
   failed      that was the last attempt: the run is now 'failed' with the error
   not_found, not_live, wrong_step, lease_lost: as complete_step.lua; discarded
+  op_reused: as complete_step.lua; nothing written
 A resend of this call (same operation record) gets the first attempt's reply.
 ]]
 
@@ -23,8 +25,10 @@ local run_key, stream, op, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local run_id, step, retention_ms, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local error_text, max_attempts = ARGV[5], tonumber(ARGV[6])
 local backoff_ms, cap_ms, entry_id = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
+local horizon_ms = tonumber(ARGV[10])
 
-local recalled = op_recall(op)
+local what = {'fail_step', run_id, step}
+local recalled = op_recall(op, what)
 if recalled then
   return recalled
 end
@@ -38,10 +42,12 @@ local attempt = tonumber(redis.call('HGET', run_key, 'attempt')) or 1
 redis.call('HSET', run_key, 'error', error_text, 'updated_ms', now)
 if attempt >= max_attempts then
   end_run(run_key, run_id, 'failed', now, retention_ms, pointer, keyruns, stream)
-  return op_remember(op, {'failed', 'failed', step, tostring(attempt), '0'}, retention_ms)
+  return op_remember(op, {'failed', 'failed', step, tostring(attempt), '0'}, retention_ms,
+    what)
 end
 local retry_at = now + math.min(backoff_ms * 2 ^ (attempt - 1), cap_ms)
 -- No runner holds it now; the lease's deadline is when the retry is due.
 redis.call('HSET', run_key, 'lease', '', 'lease_until', retry_at)
+repark(stream, redis.call('HGET', run_key, 'entry'), retry_at, horizon_ms, now)
 return op_remember(op, {'retry', 'running', step, tostring(attempt), tostring(retry_at)},
-  retention_ms)
+  retention_ms, what)
