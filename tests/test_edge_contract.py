@@ -17,15 +17,17 @@ from typing import Any
 import pytest
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors import Multiprocess
 
 from gateway.ingest.edge import BoundedHttpToolsProtocol
 from gateway.model.config import DEFAULT_MAX_HEADER_BYTES
 from tests.servers import free_port
 
 WHY = (
-    f"gateway/ingest/edge.py relies on uvicorn's HttpToolsProtocol internals, and uvicorn "
-    f"{uvicorn.__version__} differs from the versions pinned in pyproject.toml: read the "
-    "protocol's source for this version, adapt the edge, then widen the pin"
+    f"gateway/ingest/edge.py and gateway/serving/workers.py rely on uvicorn internals "
+    f"(HttpToolsProtocol, Multiprocess), and uvicorn {uvicorn.__version__} differs from the "
+    "versions pinned in pyproject.toml: read its source, adapt those modules, then widen "
+    "the pin"
 )
 
 
@@ -78,6 +80,15 @@ def exchange(port: int, *requests: bytes, until: bytes, times: int = 1) -> bytes
 def test_the_edge_overrides_what_uvicorn_still_has() -> None:
     for name in ("data_received", "on_headers_complete", "on_message_complete"):
         assert callable(getattr(HttpToolsProtocol, name, None)), f"{WHY} (no {name})"
+
+
+def test_the_supervisor_overrides_what_uvicorn_still_has() -> None:
+    """gateway/serving/workers.py's Supervisor extends uvicorn's Multiprocess."""
+    for name in ("handle_hup", "handle_signals", "init_processes", "keep_subprocess_alive",
+                 "handle_ttin"):  # fmt: skip
+        assert callable(getattr(Multiprocess, name, None)), f"{WHY} (no Multiprocess.{name})"
+    config = uvicorn.Config(hello, workers=2)
+    assert isinstance(Multiprocess(config, []).signal_queue, list), f"{WHY} (signal_queue)"
 
 
 def test_kept_alive_requests_pass_through_the_edge(port: int) -> None:
