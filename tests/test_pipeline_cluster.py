@@ -167,9 +167,7 @@ async def test_durability_on_a_cluster_confirms_on_the_primarys_replica(
             == [b"1"] * 3
         )
         # Each primary has one replica: 2 are never confirmed.
-        with pytest.raises(
-            StoreUnavailable, match=r"not confirmed on 2 replicas within 0.05 s"
-        ):
+        with pytest.raises(StoreUnavailable, match=r"not confirmed on 2 replicas within 0.05 s"):
             await strict.evalsha(scripts.incr, [keys[0]], [])
     finally:
         durable.close()
