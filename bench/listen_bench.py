@@ -28,7 +28,9 @@ an HMAC, so this script writes them to files that the Lua script cycles through)
                later: 50 % of the requests are redeliveries to deduplicate.
 
 After each measured run the runs in Redis are counted and compared with the
-number of distinct delivery ids wrk sent, then Redis is flushed.
+number of distinct delivery ids wrk sent, then Redis is flushed. Each run is also
+costed per request answered: the app's CPU (its process group, from /proc), Redis's
+CPU, the commands Redis ran (those of scripts counted) and the bytes it read.
 """
 
 from __future__ import annotations
@@ -499,6 +501,78 @@ def runs_created(r: redis.Redis, app: str) -> int | None:
     return None
 
 
+# --------------------------------------------------------------------------- cost accounting
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# The bench's own command between two snapshots: the second INFO, whose bytes Redis
+# counts before it answers (its call, and the first INFO's, are left out by name).
+_INFO = ("INFO", "all")
+_INFO_BYTES = sum(len(part) for part in redis.Connection().pack_command(*_INFO))
+
+
+def group_cpu(pgid: int) -> float:
+    """User + system CPU seconds of the live processes of process group ``pgid``: an
+    app and its workers (App.start gives each app a group of its own)."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        # After "pid (comm) ": state, ppid, pgrp, ... utime and stime are fields 14, 15.
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / _CLOCK_TICKS
+
+
+@dataclass
+class Snapshot:
+    app_cpu: float  # seconds
+    redis_cpu: float  # seconds
+    commands: int  # calls of every command but INFO, those run inside scripts included
+    bytes_in: int  # total_net_input_bytes
+
+
+def snapshot(r: redis.Redis, app: App) -> Snapshot:
+    assert app.proc is not None
+    info = r.execute_command(*_INFO)  # parsed by redis-py's INFO callback
+    calls = sum(
+        int(value["calls"])
+        for name, value in info.items()
+        if name.startswith("cmdstat_") and name != "cmdstat_info"
+    )
+    return Snapshot(
+        group_cpu(app.proc.pid),
+        float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
+        calls,
+        int(info["total_net_input_bytes"]),
+    )
+
+
+@dataclass
+class Cost:
+    """Per request answered over one measured run."""
+
+    app_us: float  # the app's CPU (every process of it), µs
+    redis_us: float  # Redis's CPU, µs
+    commands: float
+    bytes_in: float
+
+    @staticmethod
+    def between(before: Snapshot, after: Snapshot, answered: int) -> Cost | None:
+        if answered <= 0:
+            return None
+        return Cost(
+            (after.app_cpu - before.app_cpu) * 1e6 / answered,
+            (after.redis_cpu - before.redis_cpu) * 1e6 / answered,
+            (after.commands - before.commands) / answered,
+            (after.bytes_in - before.bytes_in - _INFO_BYTES) / answered,
+        )
+
+
 # --------------------------------------------------------------------------- redis-benchmark
 
 
@@ -663,6 +737,7 @@ class Row:
     created: int | None
     expected: int | None
     spread: float = 0.0  # (max - min) / median req/s of the rounds
+    cost: Cost | None = None  # of this round
 
 
 def median_row(trials: list[Row]) -> Row:
@@ -684,6 +759,21 @@ def fmt_ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
+def describe_cost(cost: Cost | None) -> str:
+    if cost is None:
+        return "no requests answered"
+    return (f"app {cost.app_us:.0f} µs, Redis {cost.redis_us:.1f} µs, "
+            f"{cost.commands:.1f} commands, {cost.bytes_in:.0f} B per request")  # fmt: skip
+
+
+def fmt_cost(cost: Cost | None) -> str:
+    """The cost columns: app µs, Redis µs, commands, bytes to Redis (per request)."""
+    if cost is None:
+        return f"{'—':>7} {'—':>8} {'—':>5} {'—':>7}"
+    return (f"{cost.app_us:>7.0f} {cost.redis_us:>8.1f} {cost.commands:>5.1f} "
+            f"{cost.bytes_in:>7.0f}")  # fmt: skip
+
+
 def verdicts(row: Row, obvious: Row, ceiling: Row) -> list[tuple[str, bool]]:
     """The issue's targets for one gateway row against the same shape's references."""
     checks = [
@@ -702,6 +792,7 @@ def verdicts(row: Row, obvious: Row, ceiling: Row) -> list[tuple[str, bool]]:
 def print_table(rows: list[Row], repeat: int) -> None:
     index = {(r.app, r.shape): r for r in rows}
     header = (f"{'shape':<24} {'app':<13} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>8} "
+              f"{'app µs':>7} {'Redis µs':>8} {'cmds':>5} {'B→Redis':>7} "
               f"{'÷obvious':>8} {'÷ceiling':>8} {'spread':>6} {'non-2xx':>7} "
               f"{'runs created / expected (sent)':>31}")  # fmt: skip
     print(header)
@@ -716,7 +807,8 @@ def print_table(rows: list[Row], repeat: int) -> None:
             runs = "—" if r.created is None else f"{r.created} / {r.expected} ({sent})"
             spread = f"{100 * r.spread:.0f}%" if repeat > 1 else "—"
             print(f"{shape_label(shape):<24} {r.app:<13} {r.result.rps:>7.0f} "
-                  f"{r.result.p50_ms:>7.2f} {r.result.p99_ms:>8.2f} {fmt_ratio(to_obv):>8} "
+                  f"{r.result.p50_ms:>7.2f} {r.result.p99_ms:>8.2f} {fmt_cost(r.cost)} "
+                  f"{fmt_ratio(to_obv):>8} "
                   f"{fmt_ratio(to_ceil):>8} {spread:>6} "
                   f"{r.result.non_2xx + r.result.socket_errors:>7} {runs:>31}")  # fmt: skip
     print()
@@ -927,10 +1019,15 @@ def main() -> int:
                         for app in batch:
                             if round_no == 1:  # warm once per shape: later rounds find it so
                                 run_wrk(app.port, reqs.path, args.warmup, args, connections)
+                                time.sleep(0.3)  # its last log records, before the flush
                                 r.flushall()
+                            before = snapshot(r, app)
                             result = run_wrk(app.port, reqs.path, args.duration, args,
                                              connections)  # fmt: skip
-                            time.sleep(0.3)  # let the last in-flight deliveries land
+                            # The last in-flight deliveries land, and the log's flush
+                            # of the last records (every 0.1 s) is inside the cost.
+                            time.sleep(0.3)
+                            cost = Cost.between(before, snapshot(r, app), result.requests)
                             created = runs_created(r, app.name)
                             expected = (
                                 None
@@ -938,14 +1035,15 @@ def main() -> int:
                                 else distinct_sent(reqs.ids, args.threads, result.sent)
                             )
                             trials[app.name].append(Row(app.name, shape, result, created,
-                                                        expected))  # fmt: skip
+                                                        expected, cost=cost))  # fmt: skip
                             if created != expected:
                                 where = f"{app.name} {shape_label(shape)} round {round_no}"
                                 mismatches.append(f"{where}: {created} runs, {expected} ids")
                             print(f"  {shape_label(shape):<24} {app.name:<13} "
                                   f"[{round_no}/{args.repeat}]: {result.rps:7.0f} req/s  "
                                   f"p50 {result.p50_ms:6.2f} ms  p99 {result.p99_ms:7.2f} ms  "
-                                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                                  f"{describe_cost(cost)}  load {os.getloadavg()[0]:.1f}",
+                                  flush=True)  # fmt: skip
                             r.flushall()
                     rows += [median_row(trials[app.name]) for app in batch]
                     if (args.profile and workers == 1 and (connections, body) == profile_at

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import redis as redis_sync
 
@@ -335,3 +336,26 @@ async def polled(condition: Callable[[], Any], what: str, timeout: float = 20.0)
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def metric(listener: Listener, name: str, *, labelled: bool = False) -> float:
+    """The sum of ``name``'s samples on /metrics (every label, every worker). A
+    ``labelled`` one has no sample before its first (and, with several workers, no
+    HELP line either): 0 then."""
+    text = httpx.get(f"{listener.base_url}/metrics", timeout=5).text
+    if not labelled and f"# HELP {name.removesuffix('_total')}" not in text:
+        raise AssertionError(f"/metrics has no {name}")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{name} ", f"{name}{{"))
+    )
+
+
+async def spool_drained(listener: Listener, timeout: float = 60.0) -> None:
+    """Wait until the listener's workers hold nothing in their spools: what they
+    accepted while Redis could not take it has been claimed, so its runs are there
+    to judge."""
+    await polled(
+        lambda: metric(listener, "realm_spool_records") == 0, "the spools to drain", timeout
+    )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from tests.servers import free_port
 
@@ -107,3 +108,11 @@ def run_state_keys(db: Any) -> list[str]:
 
 def run_state_size(db: Any) -> int:
     return len(run_state_keys(db))
+
+
+def spool_off(config_text: str) -> str:
+    """``config_text`` with ``settings.spool: false``: a delivery Redis cannot take is
+    answered 503, as the tests of that answer need (the spool would keep it)."""
+    doc = yaml.safe_load(config_text)
+    doc.setdefault("settings", {})["spool"] = False
+    return yaml.safe_dump(doc, sort_keys=False)

@@ -24,7 +24,7 @@ from gateway.link.connection import redis_client
 from gateway.store.runstore import RunStore
 from gateway.store.scripts import script_source
 from tests.deliveries_scaffold import CONFIG, ENV, deliver, load, logged, plain, push, signed
-from tests.listener import Listener
+from tests.listener import Listener, spool_off
 from tests.servers import RedisServer
 from tests.tcp_proxy import TcpProxy
 
@@ -140,7 +140,7 @@ def test_an_outage_is_one_line_when_it_starts_and_one_when_it_ends(
     sync_db: Served, tmp_path: Path
 ) -> None:
     server, _ = sync_db
-    listener = Listener(tmp_path, CONFIG, redis_url=server.url, env=ENV).start()
+    listener = Listener(tmp_path, spool_off(CONFIG), redis_url=server.url, env=ENV).start()
     try:
         server.stop()
         # A second and a half of outage: every delivery answered 503 and recorded,

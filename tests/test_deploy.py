@@ -5,20 +5,25 @@
   Docker engine here: this is the stand-in for `docker run`).
 - deploy/compose.yaml: the Compose Specification's JSON schema (vendored in
   tests/compose-spec/, with its source and license), with jsonschema.
-- deploy/k8s/: kubernetes-validate (pip), strict, against two Kubernetes versions.
-- deploy/systemd/: `systemd-analyze verify` (Debian's systemd) and its offline
-  security review.
+- deploy/k8s/: kubernetes-validate (pip), strict, against two Kubernetes versions,
+  and `kubectl kustomize` (the base, and with the recover components turned on).
+- deploy/systemd/: `systemd-analyze verify` (Debian's systemd), its offline
+  security review, and its calendar for the timers.
 - deploy/grafana/: every metric a panel asks for is one a real listener serves.
 
 Each also checks that the files agree with the gateway: the graceful shutdown
 (gateway/serving/listen.py), the config path, the ports, the secret variables the
-triggers name. A missing tool skips its test with the reason.
+triggers name, the data folder that holds the spool (a volume of its own per pod or
+container, run here: what one listener spooled, the next on the same folder drains),
+and the recover jobs' commands (those docs/deploy.md documents). A missing tool skips
+its test with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -30,6 +35,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,7 @@ import yaml
 
 from gateway.link.connection import check_redis_url
 from gateway.loading import load_config
+from gateway.model.config import DEFAULT_SPOOL_MAX_BYTES
 from gateway.serving.listen import GRACEFUL_SHUTDOWN_SECONDS
 from tests.listener import LOGS
 from tests.servers import RedisServer, free_port
@@ -51,7 +58,9 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 K8S = DEPLOY / "k8s"
-UNIT = DEPLOY / "systemd" / "realm-gateway.service"
+SYSTEMD = DEPLOY / "systemd"
+UNIT = SYSTEMD / "realm-gateway.service"
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 DASHBOARD = DEPLOY / "grafana" / "realm-gateway.json"
 COMPOSE_SCHEMA = ROOT / "tests" / "compose-spec" / "compose-spec.json"
 # Where the venv's console scripts (realm, hadolint, kubernetes-validate) live:
@@ -197,6 +206,24 @@ def test_dockerfile_runs_realm_listen_as_non_root_with_no_secret_baked_in() -> N
                 assert "triggers.yaml" not in item.args and ".env" not in item.args
 
 
+def test_dockerfile_makes_the_data_folder_the_users_and_declares_no_volume() -> None:
+    """The spool's folder exists and belongs to USER, so a named volume mounted there
+    starts as the user's; no VOLUME, whose anonymous volume `docker run --rm` deletes."""
+    stage = final_stage()
+    data_dir = image_env()["REALM_DATA_DIR"]
+    uid, gid = one(stage, "USER").args.split(":")
+    # Each command of each RUN, its words single-spaced.
+    commands = [" ".join(c.split()) for i in stage if i.keyword == "RUN"
+                for c in i.args.split("&&")]  # fmt: skip
+    (useradd,) = [c for c in commands if c.startswith("useradd ")]
+    name = useradd.split()[-1]
+    assert f" --uid {uid} " in useradd, useradd
+    assert f"groupadd --system --gid {gid} {name}" in commands
+    made = rf"install -d -o {name} -g {name} -m 07[0-5]0 {re.escape(data_dir)}"
+    assert any(re.fullmatch(made, c) for c in commands), commands
+    assert not [i for i in stage if i.keyword == "VOLUME"]
+
+
 def dockerignore_excludes(relative: str) -> bool:
     """Whether .dockerignore keeps ``relative`` out of the build context: the last
     pattern matching the path or one of its parent folders decides (Docker's rule)."""
@@ -302,51 +329,142 @@ def _seconds(duration: str) -> float:
     return float(match.group(1))
 
 
+def gateway_services() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in compose()["services"].items() if name.startswith("gateway")}
+
+
+def test_compose_gives_each_gateway_a_named_volume_for_its_spool() -> None:
+    """REALM_DATA_DIR (the spool's folder) is a named volume of the gateway's own, which
+    outlives its containers; the pid file is on the tmpfs, where `docker compose exec
+    <gateway> realm triggers reload` finds it (it runs with the same environment)."""
+    document = compose()
+    gateways = gateway_services()
+    assert len(gateways) == 4
+    sources = []
+    for name, gateway in gateways.items():
+        env = gateway["environment"]
+        assert env["REALM_DATA_DIR"] == image_env()["REALM_DATA_DIR"], name
+        (data,) = [v for v in gateway["volumes"] if v["target"] == env["REALM_DATA_DIR"]]
+        assert data["type"] == "volume" and not data.get("read_only"), name
+        assert data["source"] in document["volumes"], name
+        sources.append(data["source"])
+        assert gateway["read_only"] is True
+        assert os.path.dirname(env["REALM_PID_FILE"]) in gateway["tmpfs"], name
+    assert len(set(sources)) == len(sources), "each gateway has a volume of its own"
+
+
 # --- Kubernetes -------------------------------------------------------------------
 
-
-def k8s_documents() -> dict[str, dict[str, Any]]:
-    """kind → the resource, for every manifest but the kustomization."""
-    found = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        for document in yaml.safe_load_all(path.read_text()):
-            found[document["kind"]] = document
-    return found
+GATEWAY = "StatefulSet/realm-gateway"
+SECRET = "Secret/realm-gateway-secrets"
+RECOVER_SECRET = "Secret/realm-recover-secrets"
+CONFIGMAP = "ConfigMap/realm-gateway-triggers"
+# The resources `kubectl apply -k deploy/k8s` makes, and those the recover components add.
+BASE = {CONFIGMAP, GATEWAY, "Service/realm-gateway", "Service/realm-gateway-pods",
+        "PodDisruptionBudget/realm-gateway", "HorizontalPodAutoscaler/realm-gateway"}  # fmt: skip
+COMPONENTS = {"recover-github": "CronJob/realm-recover-github",
+              "recover-stripe": "CronJob/realm-recover-stripe"}  # fmt: skip
 
 
 def manifests() -> list[Path]:
-    return [p for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"]
+    """Every manifest under deploy/k8s (the components' too), but the kustomizations."""
+    return [p for p in sorted(K8S.rglob("*.yaml")) if p.name != "kustomization.yaml"]
+
+
+def k8s_documents() -> dict[str, dict[str, Any]]:
+    """'Kind/name' → the resource, for every manifest."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in manifests():
+        for document in yaml.safe_load_all(path.read_text()):
+            key = f"{document['kind']}/{document['metadata']['name']}"
+            assert key not in found, f"{path.name}: {key} twice"
+            found[key] = document
+    return found
+
+
+def pod_spec(resource: dict[str, Any]) -> dict[str, Any]:
+    """The pod template's spec of a StatefulSet or a CronJob."""
+    spec = resource["spec"]
+    if resource["kind"] == "CronJob":
+        spec = spec["jobTemplate"]["spec"]
+    return dict(spec["template"]["spec"])
+
+
+def env_values(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def quantity_bytes(quantity: str) -> int:
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)", quantity)
+    assert match, f"{quantity}: write storage in Ki, Mi, Gi or Ti"
+    return int(match.group(1)) * 1024 ** ("KiMiGiTi".index(match.group(2)) // 2 + 1)
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
 def test_kubernetes_manifests_validate(version: str) -> None:
     validate = tool("kubernetes-validate")
-    kinds = {"ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-             "Secret", "Service"}  # fmt: skip
-    assert set(k8s_documents()) == kinds
+    docs = k8s_documents()
+    assert set(docs) == BASE | set(COMPONENTS.values()) | {SECRET, RECOVER_SECRET}
     paths = [str(p) for p in manifests()]
     done = subprocess.run([validate, "--strict", "-k", version, *paths], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(" passed ") == len(paths), done.stdout
+    assert done.stdout.count(" passed ") == len(docs), done.stdout
 
 
 def test_kubernetes_validate_refuses_a_misspelt_field(tmp_path: Path) -> None:
     validate = tool("kubernetes-validate")
-    deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
-    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGets"] = {}
-    bad = tmp_path / "deployment.yaml"
-    bad.write_text(yaml.safe_dump(deployment))
+    statefulset = yaml.safe_load((K8S / "statefulset.yaml").read_text())
+    pod_spec(statefulset)["containers"][0]["readinessProbe"]["httpGets"] = {}
+    bad = tmp_path / "statefulset.yaml"
+    bad.write_text(yaml.safe_dump(statefulset))
     done = subprocess.run([validate, "--strict", str(bad)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode != 0 and "httpGets" in done.stdout, done.stdout
 
 
-def test_kubernetes_deployment_matches_the_gateway() -> None:
+def built(folder: Path) -> dict[str, dict[str, Any]]:
+    """'Kind/name' → resource, as `kubectl kustomize` builds ``folder``."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        # Not in Debian's archive, and CI installs nothing from elsewhere: this machine
+        # has it or the check is skipped.
+        pytest.skip("kubectl is not installed (its `kustomize` builds deploy/k8s)")
+    done = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(done.stdout)}
+
+
+def test_kustomize_builds_the_base_and_with_the_recover_components(tmp_path: Path) -> None:
+    """`kubectl apply -k deploy/k8s` makes the gateway and no recover job (the Secrets are
+    the operator's); uncommenting `components:` as its comment says adds both CronJobs."""
+    assert set(built(K8S)) == BASE
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    kustomization = copy / "kustomization.yaml"
+    text = kustomization.read_text()
+    enabled, changed = re.subn(r"^# (components:)$|^#( {3}- recover-\w+)$", r"\1\2", text,
+                               flags=re.M)  # fmt: skip
+    assert changed == 1 + len(COMPONENTS), text
+    kustomization.write_text(enabled)
+    resources = built(copy)
+    assert set(resources) == BASE | set(COMPONENTS.values())
+    for name in COMPONENTS.values():
+        assert resources[name]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "realm"
+    for folder in COMPONENTS:
+        component = yaml.safe_load((K8S / folder / "kustomization.yaml").read_text())
+        assert component["kind"] == "Component" and component["resources"] == [f"{folder}.yaml"]
+
+
+def test_kubernetes_statefulset_matches_the_gateway() -> None:
     docs = k8s_documents()
-    pod = docs["Deployment"]["spec"]["template"]
+    gateway = docs[GATEWAY]
+    pod = gateway["spec"]["template"]
     spec = pod["spec"]
     (container,) = spec["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -356,7 +474,7 @@ def test_kubernetes_deployment_matches_the_gateway() -> None:
     assert pre_stop[0] == "sleep"
     grace = spec["terminationGracePeriodSeconds"]
     assert grace >= int(pre_stop[1]) + GRACEFUL_SHUTDOWN_SECONDS + 5, grace
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = env_values(container)
     assert env["REALM_CONFIG"] == image_env()["REALM_CONFIG"]
     mount = next(m for m in container["volumeMounts"] if m["name"] == "triggers")
     assert f"{mount['mountPath']}/triggers.yaml" == env["REALM_CONFIG"]
@@ -371,22 +489,153 @@ def test_kubernetes_deployment_matches_the_gateway() -> None:
         int(u) for u in user
     ]
     assert container["resources"]["requests"] and container["resources"]["limits"]
-    # Every other resource selects these pods and names this Deployment.
+    # Every other resource selects these pods and names this StatefulSet.
     labels = pod["metadata"]["labels"]
-    assert docs["Service"]["spec"]["selector"] == labels
-    assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == labels
-    assert docs["Deployment"]["spec"]["selector"]["matchLabels"] == labels
-    target = docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
-    name = docs["Deployment"]["metadata"]["name"]
-    assert (target["kind"], target["name"]) == ("Deployment", name)
-    assert docs["HorizontalPodAutoscaler"]["spec"]["minReplicas"] >= 2
-    assert container["envFrom"][0]["secretRef"]["name"] == docs["Secret"]["metadata"]["name"]
+    assert docs["Service/realm-gateway"]["spec"]["selector"] == labels
+    assert docs["PodDisruptionBudget/realm-gateway"]["spec"]["selector"]["matchLabels"] == labels
+    assert gateway["spec"]["selector"]["matchLabels"] == labels
+    target = docs["HorizontalPodAutoscaler/realm-gateway"]["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("StatefulSet", gateway["metadata"]["name"])
+    assert docs["HorizontalPodAutoscaler/realm-gateway"]["spec"]["minReplicas"] >= 2
+    assert container["envFrom"][0]["secretRef"]["name"] == docs[SECRET]["metadata"]["name"]
     volume = next(v for v in spec["volumes"] if v["name"] == "triggers")
-    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    assert volume["configMap"]["name"] == docs[CONFIGMAP]["metadata"]["name"]
+    # The StatefulSet's governing Service: headless, over the same pods.
+    pods = docs[f"Service/{gateway['spec']['serviceName']}"]["spec"]
+    assert pods["clusterIP"] == "None" and pods["selector"] == labels
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(
-        p.name for p in manifests() if p.name != "secret.template.yaml"
+        p.name for p in K8S.glob("*.yaml")
+        if p.name != "kustomization.yaml" and not p.name.endswith(".template.yaml")
+    )  # fmt: skip
+
+
+def test_kubernetes_each_pod_keeps_its_spool_on_a_volume_of_its_own() -> None:
+    """REALM_DATA_DIR is a mount of the pod's own claim (volumeClaimTemplates), never an
+    emptyDir or a volume the pods share; room for the whole spool; kept on scale-down."""
+    gateway = k8s_documents()[GATEWAY]
+    spec = gateway["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    env = env_values(container)
+    assert env["REALM_DATA_DIR"] == image_env()["REALM_DATA_DIR"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    data = mounts[env["REALM_DATA_DIR"]]
+    assert not data.get("readOnly") and "subPath" not in data
+    (claim,) = [c for c in spec["volumeClaimTemplates"] if c["metadata"]["name"] == data["name"]]
+    assert data["name"] not in {v["name"] for v in pod["volumes"]}  # the claim, not a volume
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    storage = quantity_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    assert storage > DEFAULT_SPOOL_MAX_BYTES, "the volume must hold a full spool"
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain",
+                                                           "whenScaled": "Retain"}  # fmt: skip
+    # The volume is made the gateway's group's, so the non-root user can write it.
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # The pid file stays on the pod's memory /tmp, never on the volume a later pod reuses.
+    pid_dir = os.path.dirname(env["REALM_PID_FILE"])
+    tmp = next(v for v in pod["volumes"] if v["name"] == mounts[pid_dir]["name"])
+    assert "emptyDir" in tmp
+
+
+def recover_commands(text: str) -> list[tuple[str, str]]:
+    """(command, sender) of each `realm recover` command shown in ``text``."""
+    return re.findall(r"^ {4}(realm recover (\w+) .+)$", text, re.M)
+
+
+def documented_recover_commands() -> dict[str, str]:
+    """sender → the `realm recover` command docs/deploy.md schedules for it."""
+    text = DEPLOY_DOC.read_text()
+    section = text.split("## Recovering failed deliveries on a schedule\n")[1].split("\n## ")[0]
+    found = recover_commands(section)
+    commands = {sender: command for command, sender in found}
+    assert len(commands) == len(found) and set(commands) == {"github", "stripe"}, found
+    return commands
+
+
+def _cron_minutes(schedule: str) -> list[int]:
+    """The minutes of each hour a schedule runs at (every other field must be `*`)."""
+    minute, *rest = schedule.split()
+    assert rest == ["*"] * 4, schedule
+    if minute.startswith("*/"):
+        return list(range(0, 60, int(minute[2:])))
+    return sorted(int(m) for m in minute.split(","))
+
+
+def _hours(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)([mh])", duration)
+    assert match, duration
+    return int(match.group(1)) / (60 if match.group(2) == "m" else 1)
+
+
+@pytest.mark.parametrize("sender", ["github", "stripe"])
+def test_kubernetes_recover_cronjob_runs_the_documented_command(sender: str) -> None:
+    docs = k8s_documents()
+    job = docs[COMPONENTS[f"recover-{sender}"]]
+    spec = pod_spec(job)
+    (container,) = spec["containers"]
+    env = env_values(container)
+    # The command as documented: the job's `$(VAR)`s are its env's placeholders.
+    words = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], word)
+             for word in container["command"] + container["args"]]  # fmt: skip
+    assert shlex.join(words) == documented_recover_commands()[sender]
+    # Every 30 minutes, one at a time, each looking back further than the gap: overlap.
+    minutes = _cron_minutes(job["spec"]["schedule"])
+    gaps = {(b - a) % 60 for a, b in zip(minutes, [*minutes[1:], minutes[0]], strict=True)}
+    assert gaps == {30}, job["spec"]["schedule"]
+    assert job["spec"]["concurrencyPolicy"] == "Forbid"
+    assert _hours(words[words.index("--since") + 1]) >= 2 * 30 / 60
+    deadline = job["spec"]["jobTemplate"]["spec"]["activeDeadlineSeconds"]
+    assert deadline < 30 * 60, "a hung run must end before the next is due"
+    assert spec["restartPolicy"] == "Never"
+    # The token from the recover Secret (its own key, which the gateway's Secret lacks),
+    # the Redis URL from the gateway's, nothing else secret; the config from its map.
+    token = "GITHUB_TOKEN" if sender == "github" else "STRIPE_API_KEY"
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
+            if "valueFrom" in e}  # fmt: skip
+    assert refs == {
+        token: {"name": docs[RECOVER_SECRET]["metadata"]["name"], "key": token},
+        "REALM_REDIS_URL": {"name": docs[SECRET]["metadata"]["name"], "key": "REALM_REDIS_URL"},
+    }
+    assert "envFrom" not in container
+    assert token in docs[RECOVER_SECRET]["stringData"]
+    assert token not in docs[SECRET]["stringData"]
+    assert "REALM_REDIS_URL" in docs[SECRET]["stringData"]
+    assert env["REALM_CONFIG"] == image_env()["REALM_CONFIG"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    triggers = volumes[mounts[os.path.dirname(env["REALM_CONFIG"])]]
+    assert triggers["configMap"]["name"] == docs[CONFIGMAP]["metadata"]["name"]
+    # The gateway's image and security context.
+    gateway_pod = pod_spec(docs[GATEWAY])
+    assert container["image"] == gateway_pod["containers"][0]["image"]
+    for key in ("runAsNonRoot", "runAsUser", "runAsGroup", "seccompProfile"):
+        assert spec["securityContext"][key] == gateway_pod["securityContext"][key], key
+    assert container["securityContext"] == gateway_pod["containers"][0]["securityContext"]
+    assert spec["automountServiceAccountToken"] is False
+    # Its pods are no gateway's: no Service sends them deliveries, no budget counts them.
+    labels = job["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["labels"]
+    assert not selects(docs["Service/realm-gateway"]["spec"]["selector"], labels)
+    assert not selects(
+        docs["PodDisruptionBudget/realm-gateway"]["spec"]["selector"]["matchLabels"], labels
     )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [c for c, _ in recover_commands(DEPLOY_DOC.read_text())],
+    ids=lambda c: f"{c.split()[2]}{'-include-delivered' if '--include-delivered' in c else ''}",
+)
+def test_every_documented_recover_command_parses(command: str) -> None:
+    """The options docs/deploy.md (and so the schedules) pass are the command's own:
+    `--help` parses them all and stops before running anything."""
+    realm = [sys.executable, "-m", "gateway"]
+    listed = subprocess.run([*realm, "--help"], capture_output=True, text=True, timeout=60)
+    if not re.search(r"^\s+recover\b", listed.stdout, re.M):
+        pytest.skip("this tree has no `realm recover` command yet")
+    words = shlex.split(command)[1:]
+    done = subprocess.run([*realm, *words, "--help"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def secret_env_names(config_text: str) -> set[str]:
@@ -401,9 +650,9 @@ def test_kubernetes_configmap_and_secret_hold_a_config_the_gateway_loads(
     tmp_path: Path,
 ) -> None:
     docs = k8s_documents()
-    text = docs["ConfigMap"]["data"]["triggers.yaml"]
+    text = docs[CONFIGMAP]["data"]["triggers.yaml"]
     assert text == (ROOT / "triggers.yaml").read_text(), "the ConfigMap is the example config"
-    secret = docs["Secret"]["stringData"]
+    secret = docs[SECRET]["stringData"]
     assert secret_env_names(text) | {"REALM_API_TOKEN", "REALM_REDIS_URL"} <= set(secret)
     # The template's blanks are refused, naming the variable, as the template says.
     path = tmp_path / "triggers.yaml"
@@ -421,10 +670,25 @@ def test_kubernetes_configmap_and_secret_hold_a_config_the_gateway_loads(
 
 # --- systemd ----------------------------------------------------------------------
 
+# Every unit and timer deploy/systemd ships: the gateway, and a recover job per sender.
+UNITS = sorted(p for p in SYSTEMD.iterdir() if p.suffix in (".service", ".timer"))
+SERVICES = [p for p in UNITS if p.suffix == ".service"]
+RECOVER_UNITS = {"github": SYSTEMD / "realm-recover-github.service",
+                 "stripe": SYSTEMD / "realm-recover-stripe.service"}  # fmt: skip
+# What confines the gateway's unit; every recover unit must be confined the same way.
+HARDENING = ("User", "Group", "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",
+             "PrivateDevices", "PrivateMounts", "StateDirectory", "StateDirectoryMode",
+             "ReadWritePaths", "ProtectKernelTunables", "ProtectKernelModules",
+             "ProtectKernelLogs", "ProtectControlGroups", "ProtectClock", "ProtectHostname",
+             "ProtectProc", "RestrictNamespaces", "RestrictRealtime", "RestrictSUIDSGID",
+             "RemoveIPC", "LockPersonality", "CapabilityBoundingSet", "AmbientCapabilities",
+             "RestrictAddressFamilies", "SystemCallArchitectures", "SystemCallFilter",
+             "SystemCallErrorNumber", "UMask")  # fmt: skip
 
-def unit_settings() -> dict[str, list[str]]:
+
+def unit_settings(path: Path = UNIT) -> dict[str, list[str]]:
     settings: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if "=" in line and not line.startswith(("#", "[")):
             name, _, value = line.partition("=")
             settings.setdefault(name, []).append(value)
@@ -436,16 +700,15 @@ class UnitRoot:
     analyze: str
     root: Path
 
-    @property
-    def unit(self) -> Path:
-        return self.root / "etc/systemd/system" / UNIT.name
+    def unit(self, path: Path = UNIT) -> Path:
+        return self.root / "etc/systemd/system" / path.name
 
 
 @pytest.fixture
 def unit_root(tmp_path: Path) -> UnitRoot:
-    """A root folder for systemd-analyze: the unit under etc/, this machine's own
-    units beside it (the targets it names), and a stand-in for ExecStart's binary
-    (verify checks that it exists and is executable)."""
+    """A root folder for systemd-analyze: the units and timers under etc/, this
+    machine's own units beside them (the targets they name), and a stand-in for each
+    program they run (verify checks that it exists and is executable)."""
     analyze = tool("systemd-analyze")
     units = Path("/usr/lib/systemd/system")
     if not (units / "multi-user.target").exists():
@@ -453,20 +716,26 @@ def unit_root(tmp_path: Path) -> UnitRoot:
     root = tmp_path / "root"
     (root / "etc/systemd/system").mkdir(parents=True)
     shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
-    shutil.copy(UNIT, root / "etc/systemd/system" / UNIT.name)
-    # A stand-in for each program the unit runs (the gateway, kill for a reload).
-    for setting in ("ExecStart", "ExecReload"):
-        binary = Path(unit_settings()[setting][0].split()[0])
-        stub = root / binary.relative_to("/")
-        stub.parent.mkdir(parents=True, exist_ok=True)
-        stub.write_text("#!/bin/sh\n")
-        stub.chmod(0o755)
+    for path in UNITS:
+        shutil.copy(path, root / "etc/systemd/system" / path.name)
+    for path in SERVICES:
+        for setting in ("ExecStart", "ExecReload"):
+            for command in unit_settings(path).get(setting, []):
+                stub = root / Path(command.split()[0]).relative_to("/")
+                stub.parent.mkdir(parents=True, exist_ok=True)
+                stub.write_text("#!/bin/sh\n")
+                stub.chmod(0o755)
     return UnitRoot(analyze, root)
 
 
-def test_systemd_unit_verifies(unit_root: UnitRoot) -> None:
+def test_systemd_units_and_timers_verify(unit_root: UnitRoot) -> None:
+    assert {p.name for p in UNITS} == {
+        "realm-gateway.service", "realm-recover-github.service", "realm-recover-github.timer",
+        "realm-recover-stripe.service", "realm-recover-stripe.timer",
+    }  # fmt: skip
     done = subprocess.run(
-        [unit_root.analyze, "verify", f"--root={unit_root.root}", str(unit_root.unit)],
+        [unit_root.analyze, "verify", f"--root={unit_root.root}",
+         *(str(unit_root.unit(p)) for p in UNITS)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     # verify exits 0 on an unknown key or a bad value too: it only warns. Silence is clean.
@@ -475,10 +744,11 @@ def test_systemd_unit_verifies(unit_root: UnitRoot) -> None:
     )
 
 
-def test_systemd_unit_security_exposure_is_low(unit_root: UnitRoot) -> None:
+@pytest.mark.parametrize("path", SERVICES, ids=lambda p: p.name)
+def test_systemd_unit_security_exposure_is_low(unit_root: UnitRoot, path: Path) -> None:
     done = subprocess.run(
         [unit_root.analyze, "security", "--offline=yes", f"--root={unit_root.root}",
-         "--no-pager", str(unit_root.unit)],
+         "--no-pager", str(unit_root.unit(path))],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     if "--offline" in done.stderr and done.returncode != 0:
@@ -501,9 +771,70 @@ def test_systemd_unit_matches_the_gateway() -> None:
     assert settings["ProtectSystem"] == ["strict"]
     env = dict(e.split("=", 1) for e in settings["Environment"])
     assert env["REALM_DATA_DIR"] in settings["ReadWritePaths"][0].split()
+    # The data folder (the spool) is the unit's StateDirectory: made for the user, kept.
+    assert settings["StateDirectory"] == ["realm-gateway"]
+    assert env["REALM_DATA_DIR"] == "/var/lib/" + settings["StateDirectory"][0]
     assert env["REALM_CONFIG"] == image_env()["REALM_CONFIG"]
     # Exit 2 and 3 (a bad option or config) would fail again: no restart loop.
     assert set(settings["RestartPreventExitStatus"][0].split()) == {"2", "3"}
+
+
+@pytest.mark.parametrize("sender", ["github", "stripe"])
+def test_systemd_recover_unit_runs_the_documented_command_confined_as_the_gateway(
+    sender: str,
+) -> None:
+    path = RECOVER_UNITS[sender]
+    settings = unit_settings(path)
+    gateway = unit_settings()
+    assert settings["Type"] == ["oneshot"]
+    # The gateway's program, with the documented arguments: each ${VAR} from
+    # recover.env, shown by its placeholder (the one the CronJob's env carries).
+    program, *words = settings["ExecStart"][0].split()
+    assert program == gateway["ExecStart"][0].split()[0]
+    container = pod_spec(k8s_documents()[COMPONENTS[f"recover-{sender}"]])["containers"][0]
+    placeholders = env_values(container)
+    shown = [re.sub(r"\$\{(\w+)\}", lambda m: placeholders[m.group(1)], w) for w in words]
+    assert shlex.join(["realm", *shown]) == documented_recover_commands()[sender]
+    # The gateway's environment file and settings, plus a file of the job's own.
+    assert settings["EnvironmentFile"] == ["/etc/realm/realm.env", "/etc/realm/recover.env"]
+    env = dict(e.split("=", 1) for e in settings["Environment"])
+    gateway_env = dict(e.split("=", 1) for e in gateway["Environment"])
+    for name in ("REALM_CONFIG", "REALM_DATA_DIR"):
+        assert env[name] == gateway_env[name], name
+    for option in HARDENING:
+        assert settings[option] == gateway[option], option
+    assert _minutes(settings["TimeoutStartSec"][0]) < 30, "a hung run must end before the next"
+    # recover.env.example lists the token and every variable the command names.
+    example = set(re.findall(r"^([A-Z_]+)=", (DEPLOY / "recover.env.example").read_text(),
+                             re.M))  # fmt: skip
+    token = "GITHUB_TOKEN" if sender == "github" else "STRIPE_API_KEY"
+    assert {token, *re.findall(r"\$\{(\w+)\}", settings["ExecStart"][0])} <= example
+
+
+def _minutes(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)(min|s)", duration)
+    assert match, duration
+    return int(match.group(1)) / (60 if match.group(2) == "s" else 1)
+
+
+@pytest.mark.parametrize("sender", ["github", "stripe"])
+def test_systemd_recover_timer_starts_its_service_every_30_minutes(sender: str) -> None:
+    """The timer of the same name (so it starts that service) elapses every 30 minutes,
+    as systemd's own calendar computes it; a run missed while down runs at boot."""
+    analyze = tool("systemd-analyze")
+    timer = RECOVER_UNITS[sender].with_suffix(".timer")
+    settings = unit_settings(timer)
+    assert "Unit" not in settings  # the service of the same name
+    assert settings["Persistent"] == ["true"]
+    assert settings["WantedBy"] == ["timers.target"]
+    (calendar,) = settings["OnCalendar"]
+    done = subprocess.run([analyze, "calendar", "--iterations=5", calendar], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "TZ": "UTC"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    times = re.findall(r"(?:Next elapse|Iter\. #\d+): \w+ (\S+ \S+)", done.stdout)
+    assert len(times) == 5, done.stdout
+    stamps = [datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in times]
+    assert {b - a for a, b in itertools.pairwise(stamps)} == {timedelta(minutes=30)}, done.stdout
 
 
 # --- the image's command, run here ------------------------------------------------
@@ -546,7 +877,7 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     server = RedisServer(workdir / "redis", *redis_flags).start()
     config = workdir / "etc" / "triggers.yaml"
     config.parent.mkdir()
-    config.write_text(k8s_documents()["ConfigMap"]["data"]["triggers.yaml"])
+    config.write_text(k8s_documents()[CONFIGMAP]["data"]["triggers.yaml"])
     secrets = {
         "GITHUB_WEBHOOK_SECRET": "deploy-github-secret",
         "STRIPE_WEBHOOK_SECRET": "whsec_ZGVwbG95LXN0cmlwZS1zZWNyZXQ=",
@@ -583,6 +914,111 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         if process.poll() is None:
             process.kill()
             process.wait()
+        server.stop()
+
+
+# --- the spool on the data folder the files mount, run here -----------------------
+
+
+def deployed_env(target: str) -> tuple[dict[str, str], set[str]]:
+    """The listener's environment as ``target`` sets it (the image's ENV under the
+    StatefulSet's env, or under compose's gateway-1 environment), and the folders
+    where it mounts storage that outlives the container."""
+    if target == "statefulset":
+        gateway = k8s_documents()[GATEWAY]
+        container = pod_spec(gateway)["containers"][0]
+        overrides = env_values(container)
+        claims = {c["metadata"]["name"] for c in gateway["spec"]["volumeClaimTemplates"]}
+        kept = {m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims}
+    else:
+        gateway = compose()["services"]["gateway-1"]
+        overrides = dict(gateway["environment"])
+        kept = {v["target"] for v in gateway["volumes"] if v["type"] == "volume"}
+    return {**image_env(), **overrides}, kept
+
+
+def start_listener(env: dict[str, str], cwd: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """The image's command in ``env``, once it answers /healthz."""
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(entrypoint_command(), cwd=cwd, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{env['REALM_PORT']}/healthz"
+    deadline = time.monotonic() + 30
+    while True:
+        assert process.poll() is None, log_path.read_text(errors="replace")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return process
+        assert time.monotonic() < deadline, f"no /healthz in 30 s:\n{log_path.read_text()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("target", ["statefulset", "compose"])
+def test_a_new_listener_on_the_same_volume_drains_what_the_old_one_spooled(
+    tmp_path: Path, target: str
+) -> None:
+    """The pod (or container) is replaced while Redis is away: what the old process
+    spooled is on the volume the file mounts at REALM_DATA_DIR, and the process that
+    starts on the same volume claims it once Redis answers. The old one is killed
+    (-9), as a crash or a lost container would leave it."""
+    env, kept = deployed_env(target)
+    assert env["REALM_DATA_DIR"] in kept, "the data folder must be the persistent volume"
+    volume = tmp_path / env["REALM_DATA_DIR"].lstrip("/")
+    root = tmp_path / "pod"
+    config = root / env["REALM_CONFIG"].lstrip("/")
+    config.parent.mkdir(parents=True)
+    config.write_text(k8s_documents()[CONFIGMAP]["data"]["triggers.yaml"])
+    (root / os.path.dirname(env["REALM_PID_FILE"]).lstrip("/")).mkdir(parents=True)
+    server = RedisServer(tmp_path / "redis").start()
+    secrets = {
+        "GITHUB_WEBHOOK_SECRET": "spool-github-secret",
+        "STRIPE_WEBHOOK_SECRET": "whsec_c3Bvb2wtc3RyaXBl",
+        "REALM_TRIGGER_TOKEN": "spool-trigger-token",
+        "REALM_API_TOKEN": "spool-api-token",
+    }
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("REALM_", "PROMETHEUS_"))}
+    env = {**clean, **env, **secrets,
+           "PATH": f"{VENV_BIN}{os.pathsep}{clean.get('PATH', '')}",
+           "REALM_DATA_DIR": str(volume), "REALM_CONFIG": str(config),
+           "REALM_PID_FILE": str(root / env["REALM_PID_FILE"].lstrip("/")),
+           "REALM_PORT": str(free_port()), "REALM_REDIS_URL": server.url}  # fmt: skip
+    base = f"http://127.0.0.1:{env['REALM_PORT']}"
+    log_path = tmp_path / "listen.log"
+    LOGS.append((log_path, list(secrets.values())))  # conftest: no secret in any log
+    old = new = None
+    try:
+        old = start_listener(env, root, log_path)
+        server.kill()
+        body, headers = _github_delivery(secrets["GITHUB_WEBHOOK_SECRET"], f"spool-{target}")
+        kept = httpx.post(f"{base}/hooks/github", content=body, headers=headers, timeout=10)
+        assert kept.status_code == 202, kept.text
+        assert {r["outcome"] for r in kept.json()["results"]} == {"accepted"}, kept.text
+        # On the volume, in a folder of the old process's own.
+        (folder,) = [p for p in (volume / "spool").iterdir() if p.is_dir()]
+        assert [p.stat().st_size > 0 for p in folder.glob("*.seg")] == [True]
+        old.kill()
+        old.wait()
+        server.start()  # the same port and data: Redis is back
+        new = start_listener(env, root, log_path)
+        api = {"Authorization": f"Bearer {secrets['REALM_API_TOKEN']}"}
+        deadline = time.monotonic() + 20
+        while not (runs := httpx.get(f"{base}/v1/workflows/deploy/runs", headers=api,
+                                     timeout=5).json()["runs"]):  # fmt: skip
+            assert time.monotonic() < deadline, "the new listener drained nothing"
+            time.sleep(0.05)
+        (run,) = runs
+        assert not folder.exists(), "the drained folder is removed"
+        # The run is the delivery's: sent again, it is deduplicated onto it.
+        again = httpx.post(f"{base}/hooks/github", content=body, headers=headers, timeout=10)
+        push = {r["trigger"]: r for r in again.json()["results"]}["github-push"]
+        assert (again.status_code, push["outcome"], push["run_id"]) == (
+            200, "deduplicated", run["run_id"]
+        )  # fmt: skip
+    finally:
+        for process in (old, new):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
         server.stop()
 
 

@@ -21,7 +21,7 @@ from gateway.model.errors import ConfigError, StoreUnavailable
 from gateway.store.runstore import RunStore
 from tests.conftest import WORKFLOWS_YAML
 from tests.exactly_once import CONFIG, DEPLOY, ENV, make_events
-from tests.listener import Listener
+from tests.listener import Listener, spool_off
 from tests.servers import RedisServer
 
 TIMEOUT = 0.3  # durability.timeout in these tests
@@ -160,7 +160,7 @@ async def test_a_webhook_is_503_while_unconfirmed_and_its_redelivery_deduplicate
     config = CONFIG + f"settings:\n  durability: {{replicas: 1, timeout: {TIMEOUT}}}\n"
     [event] = make_events(1, seed=7)
     (tmp_path / "listen").mkdir()
-    listener = Listener(tmp_path / "listen", config, redis_url=pair.primary.url, env=ENV)
+    listener = Listener(tmp_path / "listen", spool_off(config), redis_url=pair.primary.url, env=ENV)
     listener.start()
     try:
         async with httpx.AsyncClient(base_url=listener.base_url, timeout=10) as http:

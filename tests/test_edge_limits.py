@@ -31,7 +31,7 @@ from gateway.ingest.webhooks import BodyBudget, RequestHeaders
 from gateway.link.connection import check_redis_url, redact_url
 from gateway.signatures.parse import parse_verify
 from gateway.signatures.verify import verify
-from tests.listener import Listener, run_state_size
+from tests.listener import Listener, run_state_size, spool_off
 from tests.servers import RedisServer, free_port
 from tests.signing import github_headers, standard_headers
 
@@ -558,7 +558,7 @@ def test_a_port_in_use_is_named_with_its_own_exit_code(tmp_path: Path) -> None:
 
 def test_an_unreachable_store_is_said_at_start_and_readyz_carries_a_code(tmp_path: Path) -> None:
     url = f"redis://:pw-unreach-7e1d@127.0.0.1:{free_port()}/0"
-    listener = Listener(tmp_path, CONFIG, redis_url=url, env=ENV).start()
+    listener = Listener(tmp_path, spool_off(CONFIG), redis_url=url, env=ENV).start()
     try:
         log = listener.log()
         lines = [line for line in log.splitlines() if "error: Redis at " in line]
@@ -605,7 +605,7 @@ def test_a_busy_server_gives_503_with_a_code_everywhere(start_redis, tmp_path: P
     # Set after start: the fixture's readiness probe sends PING without AUTH.
     redis_sync.Redis(host="127.0.0.1", port=server.port).config_set("requirepass", password)
     url = f"redis://127.0.0.1:{server.port}/0?password={password}"
-    listener = Listener(tmp_path, CONFIG, redis_url=url, env=ENV).start()
+    listener = Listener(tmp_path, spool_off(CONFIG), redis_url=url, env=ENV).start()
     blocker = redis_sync.Redis(
         host="127.0.0.1", port=server.port, password=password, socket_timeout=30
     )

@@ -54,6 +54,7 @@ from tests.exactly_once import (
     loaded,
     make_events,
     redelivered,
+    spool_drained,
 )
 from tests.senders import Attempt, Delivery, Outcome, Tally
 from tests.sentinel import PASSWORD, SentinelDeployment
@@ -170,6 +171,7 @@ async def test_sentinel_failover_under_load(
                 replica.resume()
             promoted_s = await asyncio.to_thread(sentinel.wait_for_promotion, old.port)
             outcomes = await load
+            await spool_drained(listener)  # what was accepted meanwhile, claimed
     assert sentinel.primary_port in {r.port for r in replicas}
     url = f"redis://:{PASSWORD}@127.0.0.1:{sentinel.primary_port}/0"
     conclude("sentinel", durable, url, events, outcomes, t_kill,
@@ -207,6 +209,7 @@ async def test_cluster_failover_under_load(
             await revive(cluster, primary)
             revived_s = time.monotonic() - t_kill
             outcomes = await load
+            await spool_drained(listener)  # what was accepted meanwhile, claimed
     assert promoted is replica
     url = f"redis://127.0.0.1:{replica.port}/0"
     conclude("cluster", durable, url, events, outcomes, t_kill,

@@ -30,6 +30,7 @@ import pytest
 
 from gateway.store.scripts import script_source
 from tests.exactly_once import (
+    CONFIG,
     SENDERS,
     admin,
     assert_exactly_once,
@@ -46,6 +47,7 @@ from tests.exactly_once import (
     read_store,
     redelivered,
 )
+from tests.listener import spool_off
 from tests.senders import Outcome, Tally, client_for, send_all, warm_up
 from tests.servers import RedisServer
 from tests.tcp_proxy import TcpProxy
@@ -71,7 +73,7 @@ async def test_concurrent_duplicates_make_one_run(tmp_path: Path, start_redis) -
     [event] = make_events(1, seed=1)
     n = 200
     async with asyncio.timeout(60):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             async with client_for(listener.base_url, n) as client:
                 await warm_up(client, n)  # 200 open connections, spread over both workers
                 spread = connections_per_worker(listener)
@@ -116,7 +118,7 @@ async def test_mixed_redeliveries_one_run_per_event(tmp_path: Path, start_redis)
     events = make_events(5000, seed=2)
     deliveries = redelivered(events, 3, seed=2)
     async with asyncio.timeout(150):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             t0 = time.monotonic()
             outcomes = await send_all(
                 listener.base_url, deliveries, concurrency=SENDERS, seconds=120
@@ -157,7 +159,7 @@ async def test_redis_killed_mid_load_loses_nothing_acknowledged(
     outage = 2.0
     tally = Tally()
     async with asyncio.timeout(150):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             pid = listener.process.pid if listener.process else None
             load = await loaded(listener, deliveries, tally, acked=1200, seconds=90)
             acked_at_kill = tally.acked
@@ -220,7 +222,7 @@ async def test_redis_frozen_is_503_within_the_timeout_and_recovers(
     freeze = 10.0
     tally = Tally()
     async with asyncio.timeout(120):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             pid = listener.process.pid if listener.process else None
             load = await loaded(listener, deliveries, tally, acked=500, seconds=80)
             server.pause()  # SIGSTOP
@@ -282,7 +284,7 @@ async def test_script_cache_lost_mid_load(tmp_path: Path, start_redis, how: str)
     tally = Tally()
     thresholds = (800, 1600, 2400) if how == "script-flush" else (1600,)
     async with asyncio.timeout(150):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             load = await loaded(listener, deliveries, tally, acked=thresholds[0], seconds=90)
             for threshold in thresholds:
                 await reached(tally.acked_at_least(threshold), load, timeout=60)
@@ -399,7 +401,10 @@ async def test_out_of_memory_start_writes_nothing_and_is_never_acknowledged(
     refusals = 20
     async with asyncio.timeout(60):
         # The listener loads its scripts before the fill.
-        with listening(tmp_path, server.url) as listener, out_of_memory(server) as dbsize_before:
+        with (
+            listening(tmp_path, server.url, spool_off(CONFIG)) as listener,
+            out_of_memory(server) as dbsize_before,
+        ):
             load = asyncio.create_task(
                 send_all(listener.base_url, events, concurrency=len(events), seconds=30)
             )
@@ -447,7 +452,7 @@ async def test_out_of_memory_start_is_503_store_unavailable(tmp_path: Path, star
     server: RedisServer = start_redis("--maxmemory-policy", "noeviction")
     [event] = make_events(1, seed=7)
     async with asyncio.timeout(60):
-        with listening(tmp_path, server.url) as listener, out_of_memory(server):
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener, out_of_memory(server):
             async with client_for(listener.base_url, 1) as client:
                 reply = await client.post(
                     event.path, content=event.body, headers=dict(event.headers)
@@ -481,7 +486,7 @@ async def test_sigterm_finishes_in_flight_deliveries_and_loses_nothing(
     tally = Tally()
     give_up = asyncio.Event()
     async with asyncio.timeout(120):
-        with listening(tmp_path, server.url) as listener:
+        with listening(tmp_path, server.url, spool_off(CONFIG)) as listener:
             load = await loaded(listener, events, tally, acked=600, seconds=60, give_up=give_up)
             in_flight = tally.in_flight
             listener.terminate()  # SIGTERM

@@ -31,7 +31,7 @@ from gateway.signatures.parse import parse_verify
 from gateway.signatures.spec import VerifySpec
 from gateway.signatures.verify import verify
 from gateway.store.keys import Keys
-from tests.listener import Listener, run_state_size
+from tests.listener import Listener, run_state_size, spool_off
 from tests.servers import RedisServer
 from tests.signing import (
     github_headers,
@@ -259,7 +259,7 @@ def assert_refused(reply: httpx.Response, status: int, code: str) -> None:
 def gateway(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer):
     listener = Listener(
         tmp_path_factory.mktemp("hostile-listen"),
-        CONFIG,
+        spool_off(CONFIG),  # the overload tests want the 503 a spool would turn into 202
         redis_url=module_redis.url,
         env={**ENV, **VECTOR_ENV},
     ).start()

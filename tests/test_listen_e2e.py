@@ -34,7 +34,7 @@ from gateway.loading import parse_config
 from gateway.store.keys import Keys
 from gateway.store.runstore import RunStore
 from tests import signing
-from tests.listener import Listener, run_state_keys, run_state_size
+from tests.listener import Listener, run_state_keys, run_state_size, spool_off
 from tests.servers import RedisServer
 
 # Payloads kept with the tests (tests/payloads/README.md says where from).
@@ -856,7 +856,9 @@ def test_redis_stopped_is_503_fast_and_recovers_without_restarting_the_listener(
     tmp_path: Path, start_redis
 ):
     server = start_redis()
-    listener = Listener(_mkdir(tmp_path / "listen"), CONFIG, redis_url=server.url, env=ENV).start()
+    listener = Listener(
+        _mkdir(tmp_path / "listen"), spool_off(CONFIG), redis_url=server.url, env=ENV
+    ).start()
     try:
         pid = listener.process.pid
         with httpx.Client(base_url=listener.base_url, timeout=10) as http:
@@ -911,7 +913,9 @@ def test_redis_paused_is_503_within_the_timeout_and_the_retry_finds_one_run(
     tmp_path: Path, start_redis
 ):
     server = start_redis()
-    listener = Listener(_mkdir(tmp_path / "listen"), CONFIG, redis_url=server.url, env=ENV).start()
+    listener = Listener(
+        _mkdir(tmp_path / "listen"), spool_off(CONFIG), redis_url=server.url, env=ENV
+    ).start()
     try:
         body = dumps(push_payload())
         delivery = new_delivery()

@@ -34,6 +34,7 @@ from tests.exactly_once import (
     make_events,
     polled,
     redelivered,
+    spool_drained,
 )
 from tests.senders import send_all
 
@@ -209,6 +210,7 @@ async def test_listener_exactly_once_while_the_workflows_slot_migrates(
                 )
                 await asyncio.to_thread(cluster.finish_migration, slot, source, target)
                 outcomes = await load
+                await spool_drained(listener)  # what was accepted meanwhile, claimed
                 redirects = await _redirects(http)
     assert cluster.primary_for_slot(slot) is target
     verdict = judge(f"redis://127.0.0.1:{target.port}/0", events, outcomes)

@@ -5,6 +5,9 @@
 - Kubernetes: `kubectl exec <pod> -- realm triggers reload` runs in the container's
   environment; after the kubelet swaps the ConfigMap's file, it must find the
   listener (its pid file on the writable /tmp) and have it serve the new text.
+- Compose: `docker compose exec gateway-1 realm triggers reload` runs in the service's
+  environment; after the bind-mounted file is overwritten in place, it must find the
+  listener (its pid file on the tmpfs) and have it serve the new text.
 - The docs and the files' comments say the same about it.
 """
 
@@ -23,7 +26,7 @@ import pytest
 import redis as redis_sync
 
 from tests.servers import RedisServer, free_port
-from tests.test_deploy import k8s_documents, unit_settings
+from tests.test_deploy import GATEWAY, compose, image_env, k8s_documents, pod_spec, unit_settings
 from tests.test_reload import (
     ENV,
     V1,
@@ -135,8 +138,7 @@ def test_systemctl_reload_reports_what_the_listener_did(
 def test_kubectl_exec_reload_serves_the_updated_configmap(
     tmp_path: Path, module_redis: RedisServer, service: list[Started]
 ) -> None:
-    docs = k8s_documents()
-    spec = docs["Deployment"]["spec"]["template"]["spec"]
+    spec = pod_spec(k8s_documents()[GATEWAY])
     (container,) = spec["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -174,17 +176,63 @@ def test_kubectl_exec_reload_serves_the_updated_configmap(
     assert listener.readyz_version() == version(V2)
 
 
+def test_compose_exec_reload_serves_the_file_overwritten_in_place(
+    tmp_path: Path, module_redis: RedisServer, service: list[Started]
+) -> None:
+    gateway = compose()["services"]["gateway-1"]
+    # The container's environment: the image's ENV under the service's environment.
+    env = {**image_env(), **gateway["environment"]}
+    (bind,) = [v for v in gateway["volumes"] if v["type"] == "bind"]
+    assert bind["target"] == env["REALM_CONFIG"] and bind["read_only"]
+    # The pid file is on the tmpfs: the root file system is read-only.
+    assert gateway["read_only"] is True
+    pid_dir = os.path.dirname(env["REALM_PID_FILE"])
+    assert pid_dir in gateway["tmpfs"]
+
+    # Its folders moved under tmp_path.
+    root = tmp_path / "container"
+    config_file = root / env["REALM_CONFIG"].lstrip("/")
+    config_file.parent.mkdir(parents=True)
+    config_file.write_text(V1)
+    (root / pid_dir.lstrip("/")).mkdir(parents=True)
+    for name in ("REALM_CONFIG", "REALM_PID_FILE", "REALM_DATA_DIR"):
+        env[name] = str(root / env[name].lstrip("/"))
+    env["REALM_PORT"] = str(free_port())
+    env["REALM_REDIS_URL"] = module_redis.url  # the service's, pointed at the test's Redis
+    listener = run_listen(service, ["listen", "--host", "127.0.0.1"], env, root / "work")
+
+    # `cp my-triggers.yaml triggers.yaml`: the same file (the bind mount's), new text.
+    inode = config_file.stat().st_ino
+    with config_file.open("w") as file:
+        file.write(V2)
+    assert config_file.stat().st_ino == inode
+    assert listener.readyz_version() == version(V1)
+    done = listener.realm("triggers", "reload")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (
+        f"{env['REALM_CONFIG']}: ok (version {version(V2)})\n"
+        f"realm listen (pid {listener.process.pid}) applied it: it serves version "
+        f"{version(V2)}\n"
+    )
+    assert listener.readyz_version() == version(V2)
+
+
 def test_the_docs_say_the_same_about_reloading() -> None:
     """Each place that tells an operator how to reload names the same ways."""
     operating = (ROOT / "docs" / "operating.md").read_text()
     deploy = (ROOT / "docs" / "deploy.md").read_text()
     unit = (ROOT / "deploy" / "systemd" / "realm-gateway.service").read_text()
     configmap = (ROOT / "deploy" / "k8s" / "configmap.yaml").read_text()
+    compose_file = (ROOT / "deploy" / "compose.yaml").read_text()
     for name, text in [("operating.md", operating), ("deploy.md", deploy), ("unit", unit),
                        ("configmap.yaml", configmap)]:  # fmt: skip
         assert "realm triggers reload" in text, name
     for name, text in [("operating.md", operating), ("deploy.md", deploy)]:
         assert "SIGHUP" in text and "systemctl reload" in text, name
     for name, text in [("deploy.md", deploy), ("configmap.yaml", configmap)]:
-        assert "kubectl rollout restart deployment/realm-gateway" in text, name
+        assert "kubectl rollout restart statefulset/realm-gateway" in text, name
         assert "kubectl exec <pod> -- realm triggers reload" in text, name
+    for name, text in [("deploy.md", deploy), ("compose.yaml", compose_file)]:
+        assert "docker compose -f deploy/compose.yaml exec gateway-1 realm triggers reload" in (
+            text
+        ), name

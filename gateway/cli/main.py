@@ -11,6 +11,7 @@ import click
 from gateway.cli.deliveries import deliveries
 from gateway.cli.listen import listen
 from gateway.cli.mcp import mcp
+from gateway.cli.recover import recover
 from gateway.cli.runs import run
 from gateway.cli.triggers import triggers
 from gateway.cli.work import work
@@ -22,5 +23,5 @@ def main() -> None:
     """Realm Gateway: verified webhooks become exactly-once workflow runs."""
 
 
-for command in (run, listen, mcp, triggers, work, deliveries):
+for command in (run, listen, mcp, triggers, work, deliveries, recover):
     main.add_command(command)

@@ -23,6 +23,7 @@ from gateway.cli.common import (
     store_options,
     with_store,
 )
+from gateway.ingest.github_hooks import shared_delivery_warnings
 from gateway.ingest.triggers import describe_event_id
 from gateway.loading import load_config, load_config_without_secrets, secret_variables
 from gateway.model.errors import ConfigError
@@ -80,6 +81,10 @@ def triggers_check(config_path: str, no_secrets: bool) -> None:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     workflows = plural(len(config.workflows), "workflow")
     click.echo(f"{config.file}: ok: {workflows}, {plural(len(config.triggers), 'trigger')}")
+    # A file that loads but would fold two hooks' copies of one event into one run:
+    # said, not refused (the exit code stays 0), as realm listen says it at start-up.
+    for warning in shared_delivery_warnings(config.triggers.values()):
+        click.echo(f"warning: {config.file}: {warning}", err=True)
     variables = secret_variables(config)
     if no_secrets and variables:
         # What only the environment it runs in can tell: said, so that a green check

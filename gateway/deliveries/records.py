@@ -22,27 +22,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.ingest.received import Received
+from gateway.ingest.received import Received, kept_headers, new_delivery_id
 from gateway.ingest.triggers import Trigger
 from gateway.model.config import Settings
 from gateway.model.errors import RealmError
 from gateway.signatures.spec import VerifySpec
 
 DELIVERY_ID = re.compile(r"dlv-[0-9a-f]{12}-[0-9a-f]{8}")
-OUTCOMES = ("started", "deduplicated", "refused", "ignored", "unverified")
-
-# Header names that authenticate the sender (a signature, a token, a session) are
-# never stored: a stored signature could be replayed by whoever reads the log. The
-# scheme's own header is dropped too (gateway/signatures/verify.py names it), whatever it is called.
-_SECRET_WORDS = ("signature", "token", "secret", "auth", "cookie", "hmac", "api-key",
-                 "apikey", "password", "session", "credential")  # fmt: skip
+# accepted: kept in a worker's spool, its claims not yet stored (then the outcome).
+OUTCOMES = ("started", "deduplicated", "refused", "ignored", "unverified", "accepted")
 
 
 @dataclass(frozen=True)
@@ -68,10 +62,6 @@ class LogKeys:
     @property
     def refused(self) -> str:
         return f"{self.prefix}:{{deliveries:log}}:refused"
-
-
-def new_delivery_id(received_ms: int) -> str:
-    return f"dlv-{received_ms:012x}-{secrets.token_hex(4)}"
 
 
 def id_floor(since_ms: int) -> str:
@@ -100,28 +90,6 @@ def _fingerprint(scheme: str, secret_env: frozenset[str]) -> str:
     # Cached: every record names each trigger's, and a path's triggers are few.
     text = "\n".join([scheme, *sorted(secret_env)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def kept_headers(
-    raw: Iterable[tuple[bytes, bytes]], triggers: Sequence[Trigger]
-) -> list[list[str]]:
-    """The request's headers as the log keeps them: names lower-case, in order, every
-    signature, token and cookie header left out."""
-    dropped = {t.verify.header.lower() for t in triggers if t.verify.header}
-    kept = []
-    for name_bytes, value_bytes in raw:
-        name = name_bytes.decode("latin-1").lower()
-        if name in dropped or any(word in name for word in _SECRET_WORDS):
-            continue
-        kept.append([name, _text(value_bytes)])
-    return kept
-
-
-def _text(value: bytes) -> str:
-    try:
-        return value.decode()
-    except UnicodeDecodeError:
-        return value.decode("latin-1")
 
 
 def build_record(item: Received, settings: Settings) -> tuple[str, list[str | bytes]]:

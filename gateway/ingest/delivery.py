@@ -116,6 +116,7 @@ async def handle(
     on_arrival: Mapping[str, str | None] | None = None,
     rerun: bool = False,
     dry_run: bool = False,
+    signatures: Mapping[str, str | None] | None = None,
 ) -> Reply:
     """The reply to one delivery. ``bounded=False``: the caller bounds the whole
     call with its own timer, so the store's per-claim deadline is skipped.
@@ -127,7 +128,8 @@ async def handle(
     not name) is ``unverified``. ``rerun``: each matched trigger starts a new run
     whatever its policies say (the old one, if live, is cancelled), and no event or
     body marker is consulted. ``dry_run``: the same walk, but the claim only asks what
-    it would decide (``realm triggers test``); nothing is written.
+    it would decide (``realm triggers test``); nothing is written. ``signatures``:
+    what ``check_signatures`` said of this delivery, when the caller has asked already.
 
     ``Reply.results`` holds every trigger of the path with each step's word on it,
     whatever the reply: the one walk that every view of a delivery renders."""
@@ -145,13 +147,10 @@ async def handle(
             else:
                 result.signature, result.outcome, result.status = why, "unverified", 401
     else:
-        now = time.time()
-        checked: dict[int, str | None] = {}
+        if signatures is None:
+            signatures = check_signatures(triggers, headers, body)
         for result, trigger in zip(walk, triggers, strict=True):
-            spec: VerifySpec = trigger.verify
-            if id(spec) not in checked:
-                checked[id(spec)] = verify(spec, headers, body, now)
-            reason = checked[id(spec)]
+            reason = signatures[trigger.name]
             if reason is None:
                 result.signature, result.verified = "ok", True
                 passed.append((result, trigger))
@@ -258,6 +257,58 @@ async def handle(
         verified=True,
         walk=walk,
     )
+
+
+def check_signatures(
+    triggers: Sequence[Trigger], headers: HeaderLookup, body: bytes
+) -> dict[str, str | None]:
+    """Per trigger name: None when the delivery's signature verifies under that
+    trigger's spec, else why not. Triggers of one path usually share one scheme;
+    each distinct spec is checked once."""
+    now = time.time()
+    checked: dict[int, str | None] = {}
+    out: dict[str, str | None] = {}
+    for trigger in triggers:
+        spec: VerifySpec = trigger.verify
+        if id(spec) not in checked:
+            checked[id(spec)] = verify(spec, headers, body, now)
+        out[trigger.name] = checked[id(spec)]
+    return out
+
+
+def accepted_reply(
+    triggers: Sequence[Trigger],
+    signatures: Mapping[str, str | None],
+    delivery_id: str,
+    why: str,
+) -> Reply:
+    """202 for a verified delivery kept in the spool: Redis could not take its claims
+    (``why``), so there is no run id yet. The triggers that verified it are
+    ``accepted``; it is matched and claimed when the spool drains."""
+    walk = []
+    for trigger in triggers:
+        reason = signatures[trigger.name]
+        result = TriggerResult(trigger.name, trigger.workflow, "accepted", 202)
+        if reason is None:
+            result.signature, result.verified = "ok", True
+            result.message = "kept in the spool; matched and claimed once Redis answers"
+        else:
+            result.signature, result.outcome, result.status = reason, "unverified", 401
+        walk.append(result)
+    results = [r for r in walk if r.verified]
+    message = (
+        f"{why.removesuffix('; retry').removesuffix(', retry')}. The delivery is kept in this "
+        "gateway's spool and its runs start once Redis answers: no run id yet; "
+        "the delivery log shows the outcome under this delivery_id"
+    )
+    body = {
+        "status": "ok",
+        "outcome": "accepted",
+        "delivery_id": delivery_id,
+        "message": message,
+        "results": [r.as_dict() for r in results],
+    }
+    return Reply(202, body, results, verified=True, walk=walk)
 
 
 DECISIONS = {

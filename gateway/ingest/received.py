@@ -7,7 +7,8 @@ gave it, so the request path never imports the log.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import secrets
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,3 +37,48 @@ class Received:
 class Recorder(Protocol):
     def add(self, item: Received) -> None:
         """Take one delivery for the log: an append, written off the hot path."""
+
+
+def new_delivery_id(received_ms: int) -> str:
+    """A delivery's id in the delivery log: ``dlv-<ms, 12 hex digits>-<8 random hex
+    digits>``, so ids sort by arrival time."""
+    return f"dlv-{received_ms:012x}-{secrets.token_hex(4)}"
+
+
+# Header names that authenticate the sender (a signature, a token, a session) are
+# never kept, neither in the delivery log nor in the spool: a stored signature could
+# be replayed by whoever reads it. The scheme's own header is dropped too, whatever
+# it is called.
+_SECRET_WORDS = ("signature", "token", "secret", "auth", "cookie", "hmac", "api-key",
+                 "apikey", "password", "session", "credential")  # fmt: skip
+
+
+def authenticating(triggers: Sequence[Trigger]) -> set[str]:
+    """The lower-case names of the headers ``triggers`` verify with."""
+    return {t.verify.header.lower() for t in triggers if t.verify.header}
+
+
+def kept(name: str, dropped: set[str]) -> bool:
+    """Whether header ``name`` (lower-case) may be kept: it authenticates no one."""
+    return name not in dropped and not any(word in name for word in _SECRET_WORDS)
+
+
+def kept_headers(
+    raw: Iterable[tuple[bytes, bytes]], triggers: Sequence[Trigger]
+) -> list[list[str]]:
+    """The request's headers as the log keeps them: names lower-case, in order, every
+    signature, token and cookie header left out."""
+    dropped = authenticating(triggers)
+    out = []
+    for name_bytes, value_bytes in raw:
+        name = name_bytes.decode("latin-1").lower()
+        if kept(name, dropped):
+            out.append([name, _text(value_bytes)])
+    return out
+
+
+def _text(value: bytes) -> str:
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")

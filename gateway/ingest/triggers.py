@@ -99,6 +99,20 @@ class Trigger:
     # Deduplicate a verified body seen again under another event id (docs/triggers.md).
     replay_guard: bool = False
 
+    @functools.cached_property
+    def headers_read(self) -> frozenset[str]:
+        """The lower-case names of the headers this trigger reads once a delivery is
+        verified (its ``when``, event id, key and params, and the body's type): what
+        the spool keeps of a delivery's headers, so that its drain decides as a live
+        delivery would, with nothing that authenticates the sender on disk."""
+        names = {"content-type"}
+        names.update(c.header.lower() for c in self.when if c.header is not None)
+        if self.event_id.header is not None:
+            names.add(self.event_id.header.lower())
+        names.update(str(ref).lower() for kind, _, ref, _ in self.key.parts if kind == "header")
+        names.update(str(src).lower() for _, kind, src in self.params.entries if kind == "header")
+        return frozenset(names)
+
     def match(self, headers: HeaderLookup, doc: object) -> str | None:
         """None when every ``when`` condition holds, else the first failing reason."""
         if isinstance(doc, FormFields) and doc.json_hint and self.reads_json:

@@ -22,11 +22,13 @@ from starlette.applications import Starlette
 from gateway.ingest import delivery
 from gateway.ingest.deadlines import Deadlines
 from gateway.ingest.observe import DeliveryLog
-from gateway.ingest.received import Received, Recorder
+from gateway.ingest.received import Received, Recorder, authenticating, new_delivery_id
 from gateway.ingest.served import Serving
 from gateway.ingest.triggers import Trigger
 from gateway.model.config import Settings
 from gateway.model.errors import StoreUnavailable
+from gateway.spool.records import SpooledDelivery
+from gateway.spool.spool import Spool
 
 log = logging.getLogger("realm")
 
@@ -139,6 +141,9 @@ class Webhooks:
         # app's lifespan, which opens the store; a reload swaps ``serving``.
         self.serving: Serving | None = None
         self.recorder: Recorder | None = None
+        # This worker's spool (gateway/spool/), where a verified delivery goes when
+        # Redis cannot take its claims in time; None: off (such a delivery gets 503).
+        self.spool: Spool | None = None
         # Settings a reload cannot change (gateway/serving/reload.py refuses a file that does).
         self.settings = settings
         # Deliveries past their body read and not yet answered, in this worker. Past
@@ -180,6 +185,7 @@ class Webhooks:
         task = asyncio.current_task()
         assert task is not None
         claiming = False
+        signatures: dict[str, str | None] | None = None
         taken = _Taken()
         # One deadline per delivery: first for the body, then for the claims.
         self.deadlines.set(task, settings.body_timeout)
@@ -187,15 +193,19 @@ class Webhooks:
             read = await self._read_body(headers, receive, taken, settings.max_body_bytes)
             if isinstance(read, delivery.Reply):
                 reply = read
-            elif self.in_flight >= settings.max_in_flight:
-                reply = _overloaded(
-                    f"more than {settings.max_in_flight} deliveries in flight; retry"
-                )
             else:
                 body = read
-                claiming = True
-                self.deadlines.set(task, settings.redis_timeout)
-                reply = await self._handle(scope, headers, read, triggers, serving)
+                # Verified first, whatever follows: only a verified delivery may be
+                # spooled when Redis cannot take it.
+                signatures = delivery.check_signatures(triggers, headers, read)
+                if self.in_flight >= settings.max_in_flight:
+                    reply = _overloaded(
+                        f"more than {settings.max_in_flight} deliveries in flight; retry"
+                    )
+                else:
+                    claiming = True
+                    self.deadlines.set(task, settings.redis_timeout)
+                    reply = await self._handle(scope, headers, read, triggers, serving, signatures)
         except ClientGone:
             self.deadlines.clear(task)
             self.budget.held -= taken.n
@@ -220,6 +230,18 @@ class Webhooks:
             # a cancel: the reply's write is then cut, and the sender's retry finds
             # the stored decision. Rare (the sweep is every 50 ms) and never a lost run.
             self.deadlines.clear(task)
+        delivery_id = None
+        # Redis could not take it, and at least one trigger verified it: keep it.
+        if (
+            reply.status == 503
+            and self.spool is not None
+            and signatures is not None
+            and None in signatures.values()
+        ):
+            assert body is not None
+            reply, delivery_id = await self._spool(
+                scope, body, triggers, signatures, reply, received_ms
+            )
         # Answered: the body is no longer this worker's to hold (the reply holds none).
         self.budget.held -= taken.n
         self.delivery_log.observe(scope["path"], reply, started)
@@ -229,9 +251,41 @@ class Webhooks:
                 Received(
                     received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
                     serving.version, triggers, scope["headers"], body,
+                    delivery_id=delivery_id,
                 )
             )  # fmt: skip
         await _reply(send, reply)
+
+    async def _spool(
+        self,
+        scope: Scope,
+        body: bytes,
+        triggers: Sequence[Trigger],
+        signatures: dict[str, str | None],
+        unavailable: delivery.Reply,
+        received_ms: int,
+    ) -> tuple[delivery.Reply, str | None]:
+        """Keep a verified delivery that Redis could not take: 202 accepted once it is
+        fsynced in the spool, with the delivery-log id its outcome will have; the 503
+        as it was when the spool is full (or off, or the disk refused)."""
+        assert self.spool is not None
+        delivery_id = new_delivery_id(received_ms)
+        verified = [t for t in triggers if signatures[t.name] is None]
+        # The headers those triggers read, in order: never a signature or token.
+        read = frozenset().union(*(t.headers_read for t in verified)) - authenticating(triggers)
+        spooled = SpooledDelivery(
+            delivery_id=delivery_id,
+            received_ms=received_ms,
+            path=scope["path"],
+            verified=tuple(t.name for t in verified),
+            headers=tuple((n, v) for n, v in scope["headers"] if n.decode("latin-1") in read),
+            body=body,
+        )
+        if await self.spool.append(spooled):
+            why = unavailable.body.get("message", "Redis could not take it")
+            return delivery.accepted_reply(triggers, signatures, delivery_id, why), delivery_id
+        unavailable.body["message"] += " (the spool is full: the delivery was not kept)"
+        return unavailable, None
 
     async def _read_body(
         self, headers: RequestHeaders, receive: Receive, taken: _Taken, limit: int
@@ -273,13 +327,14 @@ class Webhooks:
         body: bytes,
         triggers: Sequence[Trigger],
         serving: Serving,
+        signatures: dict[str, str | None],
     ) -> delivery.Reply:
         self.in_flight += 1
         try:
             # bounded=False: _deliver's deadline already bounds the claims.
             return await delivery.handle(
                 serving.store, triggers, headers, headers.get("content-type"), body,
-                bounded=False,
+                bounded=False, signatures=signatures,
             )  # fmt: skip
         except StoreUnavailable as exc:
             # Redis said "not now" (or did not answer) on a path other than a claim's.

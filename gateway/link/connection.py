@@ -15,9 +15,9 @@ from urllib.parse import unquote_plus
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
-from redis.retry import Retry
 
 from gateway.link.cluster_client import cluster_client, is_cluster_url, ping_every_primary
 from gateway.link.embedded import EmbeddedServer

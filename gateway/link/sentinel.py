@@ -29,9 +29,9 @@ from urllib.parse import parse_qs, unquote
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from gateway.link.pipeline import Pipeline
 from gateway.link.pool import QueuedPool

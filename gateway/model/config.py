@@ -41,7 +41,7 @@ SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeou
                    "max_buffered_body_bytes", "max_header_bytes", "durability",
                    "delivery_log", "store_bodies", "max_stored_body_bytes",
                    "delivery_retention", "max_deliveries",
-                   "trusted_proxies"}  # fmt: skip
+                   "trusted_proxies", "spool"}  # fmt: skip
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1", "/ui"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
@@ -134,6 +134,25 @@ class Durability:
 
 DURABILITY_FIELDS = {"replicas", "fsync", "timeout"}
 
+# The spool (gateway/spool/): deliveries kept on local disk while Redis cannot take them.
+DEFAULT_SPOOL_MAX_BYTES = 1024**3
+DEFAULT_SPOOL_DRAIN_RATE = 200  # deliveries per second and worker, leaving room for live ones
+
+
+@dataclass(frozen=True)
+class Spool:
+    """``settings.spool``: where a worker keeps verified deliveries that Redis could not
+    take in time (``dir``; None: ``spool`` in the data folder), how many bytes its files
+    may hold in all (a full spool answers 503, as with no spool), and how fast each
+    worker drains it once Redis answers."""
+
+    dir: str | None = None
+    max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    drain_rate: int = DEFAULT_SPOOL_DRAIN_RATE
+
+
+SPOOL_FIELDS = {"dir", "max_bytes", "drain_rate"}
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -154,6 +173,8 @@ class Settings:
     # Proxies whose X-Forwarded-For and X-Forwarded-Proto the inspector believes (its
     # login limit's client, its cookie's Secure): the addresses they connect from.
     trusted_proxies: tuple[Network, ...] = ()
+    # On by default; None (``spool: false``): a delivery Redis cannot take gets 503.
+    spool: Spool | None = Spool()
 
 
 @dataclass(frozen=True)

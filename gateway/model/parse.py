@@ -26,14 +26,18 @@ from gateway.model.config import (
     DEFAULT_PREFIX,
     DEFAULT_REDIS_TIMEOUT,
     DEFAULT_RETENTION,
+    DEFAULT_SPOOL_DRAIN_RATE,
+    DEFAULT_SPOOL_MAX_BYTES,
     DURABILITY_FIELDS,
     MAX_PARTITIONS,
     SETTINGS_FIELDS,
+    SPOOL_FIELDS,
     WORKFLOW_FIELDS,
     WORKFLOW_NAME,
     Durability,
     Network,
     Settings,
+    Spool,
     Workflow,
     json_path,
     parse_retention,
@@ -251,9 +255,10 @@ def parse_settings(raw: object, file: str) -> Settings:
             )
         counts[name] = value
     proxies = _parse_networks(raw.get("trusted_proxies", []), error)
+    spool = _parse_spool(raw.get("spool", True), error)
     return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
                     durability=durability, delivery_retention_ms=retention_ms,
-                    trusted_proxies=proxies,
+                    trusted_proxies=proxies, spool=spool,
                     **timeouts, **sizes, **flags, **counts)  # fmt: skip
 
 
@@ -277,6 +282,48 @@ def _parse_networks(raw: object, error: Any) -> tuple[Network, ...]:
                 f"(got {clip(repr(item))})",
             ) from None
     return tuple(networks)
+
+
+_SIZE = re.compile(r"([0-9]+)\s*(B|KiB|MiB|GiB|TiB)?")
+_SIZE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+def _parse_spool(raw: object, error: Any) -> Spool | None:
+    """``spool: false`` (off), ``true`` or absent (the defaults), or a mapping of
+    ``dir``, ``max_bytes`` (bytes, or ``512MiB``, ``1GiB``) and ``drain_rate``."""
+    if raw is False:
+        return None
+    if raw is True:
+        return Spool()
+    if not isinstance(raw, dict):
+        raise error(
+            "spool",
+            f"must be true, false or a mapping like {{max_bytes: 1GiB}} (got {clip(repr(raw))})",
+        )
+    unknown = sorted(str(k) for k in raw if k not in SPOOL_FIELDS)
+    if unknown:
+        raise error(f"spool.{unknown[0]}", unknown_field(unknown[0], SPOOL_FIELDS))
+    folder = raw.get("dir")
+    if folder is not None and (not isinstance(folder, str) or not folder.strip()):
+        raise error("spool.dir", f"must be a folder path (got {clip(repr(folder))})")
+    size = raw.get("max_bytes", DEFAULT_SPOOL_MAX_BYTES)
+    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+    if match:
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    # One record must fit: a spool smaller than a body would refuse everything.
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1024 * 1024:
+        raise error(
+            "spool.max_bytes",
+            f"must be a size of at least 1MiB, in bytes or like 512MiB or 1GiB "
+            f"(got {clip(repr(raw.get('max_bytes')))})",
+        )
+    rate = raw.get("drain_rate", DEFAULT_SPOOL_DRAIN_RATE)
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= 100_000:
+        raise error(
+            "spool.drain_rate",
+            f"must be deliveries per second from 1 to 100000 (got {clip(repr(rate))})",
+        )
+    return Spool(dir=folder, max_bytes=size, drain_rate=rate)
 
 
 def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durability | None:

@@ -24,6 +24,7 @@ from gateway.faces.openapi import openapi_document
 from gateway.faces.ui import ui_routes
 from gateway.ingest.deadlines import Deadlines
 from gateway.ingest.delivery import RETRY_AFTER_SECONDS
+from gateway.ingest.drain import Drainer
 from gateway.ingest.observe import DeliveryLog, setup_logging
 from gateway.ingest.served import Serving
 from gateway.ingest.webhooks import Webhooks
@@ -33,17 +34,30 @@ from gateway.model.config import Config
 from gateway.model.errors import StoreUnavailable
 from gateway.serving import metrics
 from gateway.serving.reload import ReloadOnHangup, Reloads, defer_hangups
+from gateway.spool.spool import Spool
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import Sweeper
 
 log = logging.getLogger("realm")
 
 
+# The folder `realm listen` hands its workers for their spools (settings.spool.dir, or
+# `spool` in the data folder), made absolute.
+SPOOL_DIR_ENV = "REALM_SPOOL_DIR"
+
+
 def create_app(
-    config: Config, redis_url: str, *, api_token: str | None = None, reloads: Reloads | None = None
+    config: Config,
+    redis_url: str,
+    *,
+    api_token: str | None = None,
+    reloads: Reloads | None = None,
+    spool_dir: str | None = None,
 ) -> Webhooks:
     """The gateway app. ``api_token`` enables the admin API; without it, /v1 answers 403.
-    ``reloads``: SIGHUP reloads the config, as it says (gateway/serving/reload.py)."""
+    ``reloads``: SIGHUP reloads the config, as it says (gateway/serving/reload.py).
+    ``spool_dir``: where this worker spools deliveries Redis cannot take (with
+    ``settings.spool`` on); None: no spool, such a delivery gets 503."""
     delivery_log = DeliveryLog()
     deadlines = Deadlines()
 
@@ -69,6 +83,11 @@ def create_app(
         trimming = Sweeper(store)
         trimmer = asyncio.create_task(trimming.run())
         recording = asyncio.create_task(recorder.run())
+        spool = draining = None
+        if spool_dir is not None and config.settings.spool is not None:
+            spool = webhooks.spool = Spool(spool_dir, config.settings.spool.max_bytes)
+            drainer = Drainer(webhooks, spool, config.settings.spool.drain_rate)
+            draining = asyncio.create_task(drainer.run())
         hangup = ReloadOnHangup(webhooks, config.file, trimming, reloads) if reloads else None
         if hangup is not None:
             hangup.install()
@@ -81,8 +100,14 @@ def create_app(
             sweeper.cancel()
             trimmer.cancel()
             recording.cancel()
+            if draining is not None:
+                draining.cancel()
             # Off Redis before close; the log's last records written first.
-            await asyncio.gather(trimmer, recording, return_exceptions=True)
+            await asyncio.gather(trimmer, recording, *filter(None, [draining]),
+                                 return_exceptions=True)  # fmt: skip
+            if spool is not None:
+                webhooks.spool = None
+                spool.close()
             await recorder.close()
             delivery_log.flush()
             store.close()
@@ -97,6 +122,7 @@ def create_app(
 
     async def readyz(request: Request) -> Response:
         store: RunStore = request.state.store
+        serving: Serving = request.state.serving
         try:
             await store.ping()
             await store.ensure_scripts()  # SCRIPT EXISTS; a load only of those missing
@@ -105,11 +131,16 @@ def create_app(
             if not not_ready[0]:
                 log.error("/readyz: the store is not ready: %s", _describe(exc))
             not_ready[0] = True
+            spool = webhooks.spool
+            if spool is not None and spool.has_room():
+                # Deliveries are kept meanwhile: a probe must not take this worker out
+                # of the balancer because Redis blinked.
+                return json_response({"status": "ok", "config_version": serving.version,
+                                      "store": "unavailable", "spool": "accepting"})  # fmt: skip
             return _unavailable("the store (Redis) is not ready; the gateway log says why")
         if not_ready[0]:
             log.warning("/readyz: the store is ready again")
         not_ready[0] = False
-        serving: Serving = request.state.serving
         return json_response({"status": "ok", "config_version": serving.version})
 
     documents: dict[str, dict[str, Any]] = {}  # by config version: a reload adds paths
@@ -206,10 +237,10 @@ def app_from_env() -> Webhooks:
 
 
 def serving_app(config: Config, redis_url: str, reloads: Reloads) -> Webhooks:
-    """The app a listener process serves (``REALM_API_TOKEN`` from the environment),
-    with the garbage collector tuned for serving."""
+    """The app a listener process serves (``REALM_API_TOKEN`` and the spool's folder
+    from the environment), with the garbage collector tuned for serving."""
     app = create_app(config, redis_url, api_token=os.environ.get("REALM_API_TOKEN") or None,
-                     reloads=reloads)  # fmt: skip
+                     reloads=reloads, spool_dir=os.environ.get(SPOOL_DIR_ENV) or None)  # fmt: skip
     _tune_gc()
     return app
 

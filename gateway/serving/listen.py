@@ -16,13 +16,14 @@ from typing import Any
 import redis
 import uvicorn
 
+from gateway.ingest.github_hooks import shared_delivery_warnings
 from gateway.ingest.observe import setup_logging
 from gateway.ingest.triggers import describe_event_id
 from gateway.link.connection import ping_url, redis_client, redis_target, unreachable
 from gateway.loading import parse_config
 from gateway.model.config import Config
-from gateway.model.errors import StoreUnavailable
-from gateway.serving.app import serving_app
+from gateway.model.errors import ConfigError, StoreUnavailable
+from gateway.serving.app import SPOOL_DIR_ENV, serving_app
 from gateway.serving.pidfile import answer_path, pid_file_kept
 from gateway.serving.reload import AcceptedText, Answers, Reloads, defer_hangups, read_file
 from gateway.serving.workers import ACCEPTED_ENV, SUPERVISOR_ENV, WORKER_NAME, Supervisor
@@ -67,6 +68,7 @@ def serve(
     # process, as its default action would: it reloads once it can.
     defer_hangups()
     check_bindable(host, port)
+    spool_dir = writable_spool(config, data_dir)
     with (
         # After the bind check: a listener that cannot start leaves another's file alone.
         pid_file_kept(pid_file, data_dir, host, port) as pid_path,
@@ -93,6 +95,8 @@ def serve(
             )
         if not config.triggers:
             echo("  (no triggers in the config: only /healthz and /readyz are served)")
+        for warning in shared_delivery_warnings(config.triggers.values()):
+            log.warning(warning)
         if reachable(target.url, config.settings.redis_timeout):
             # A changed `partitions` would move a workflow's keys: refused before serving.
             asyncio.run(check_layout(config, target.url))
@@ -105,6 +109,16 @@ def serve(
         # Workers are separate processes: they read their settings from here.
         os.environ["REALM_CONFIG"] = config_file
         os.environ["REALM_REDIS_URL"] = target.url
+        if config.settings.spool is not None and spool_dir is not None:
+            os.environ[SPOOL_DIR_ENV] = spool_dir
+            megabytes = config.settings.spool.max_bytes // 1024**2
+            echo(
+                f"spool: {spool_dir} (up to {megabytes} MiB): deliveries Redis "
+                "cannot take in time are kept there, answered 202, and claimed once it answers"
+            )
+        else:
+            os.environ.pop(SPOOL_DIR_ENV, None)
+            echo("spool: off; deliveries Redis cannot take in time get 503")
         accepted = AcceptedText(Path(private) / "accepted.yaml")
         if workers > 1:
             # Each worker writes its metrics here; /metrics sums them (gateway/serving/metrics.py).
@@ -160,6 +174,30 @@ def read_config(path: str) -> tuple[str, Config]:
     """The file's text and its config, triggers included (ConfigError)."""
     text = read_file(path)
     return text, parse_config(text, file=path)
+
+
+def writable_spool(config: Config, data_dir: str) -> str | None:
+    """The spool's folder (absolute; None: the spool is off), made and checked for
+    writing now: a worker that finds it read-only at its first delivery would be too
+    late to say so. Raises ConfigError naming the folder and the ways out."""
+    spool = config.settings.spool
+    if spool is None:
+        return None
+    folder = os.path.abspath(spool.dir or os.path.join(data_dir, "spool"))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            config.file,
+            f"cannot write the spool folder {folder} ({exc.strerror}): give the gateway a "
+            "writable, persistent folder there (a volume), set settings.spool.dir to one, "
+            "or turn the spool off with 'spool: false'",
+            section="settings",
+            field="spool.dir",
+        ) from None
+    return folder
 
 
 def check_bindable(host: str, port: int) -> None:

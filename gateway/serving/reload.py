@@ -75,6 +75,7 @@ RESTART_SETTINGS = (
     "durability",
     "max_buffered_body_bytes",
     "max_header_bytes",
+    "spool",
 )
 
 

@@ -31,7 +31,10 @@ def deliveries_page(
     paths: list[str],
     next_cursor: str | None,
     frame: Frame,
+    spooled: tuple[int, float] | None = None,
 ) -> Html:
+    """``spooled``: this worker's spool holds that many deliveries, the oldest that many
+    seconds old, which Redis has not taken yet."""
     form = fill(
         """<form method="get" action="/ui" class="filters">
 <label>Path <input name="path" list="paths" value="{path}" placeholder="/hooks/…"></label>
@@ -67,7 +70,16 @@ def deliveries_page(
         more = fill(
             '<p class="more"><a href="/ui?{q}" rel="next">Older deliveries</a></p>', q=query
         )
-    return page("Deliveries", form + table + more, frame)
+    note = Html("")
+    if spooled is not None and spooled[0]:
+        note = fill(
+            '<p class="spool" id="spool">This worker\'s spool holds {n} the store has not taken '
+            "yet (the oldest {age} s old). They are listed as <em>accepted</em> once the "
+            "log can be written, and get their outcome as the spool drains.</p>",
+            n=f"{spooled[0]} deliver{'y' if spooled[0] == 1 else 'ies'}",
+            age=f"{spooled[1]:.0f}",
+        )
+    return page("Deliveries", note + form + table + more, frame)
 
 
 def _list_row(item: Mapping[str, Any]) -> Html:

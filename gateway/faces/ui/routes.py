@@ -234,7 +234,19 @@ async def deliveries(visit: Visit) -> Response:
             raise
         page = deliveries_page([], filters, paths, None, visit.frame(error=exc.message))
         return _html(page, 422)
-    return _html(deliveries_page(items, filters, paths, next_cursor, visit.frame()))
+    return _html(
+        deliveries_page(items, filters, paths, next_cursor, visit.frame(), _spooled(visit))
+    )
+
+
+def _spooled(visit: Visit) -> tuple[int, float] | None:
+    """What this worker's spool holds: how many deliveries, the oldest's age in seconds."""
+    webhooks = getattr(visit.request.state, "webhooks", None)
+    spool = getattr(webhooks, "spool", None)
+    if spool is None:
+        return None
+    oldest = spool.oldest_ms()
+    return spool.pending(), 0.0 if oldest is None else max(time.time() - oldest / 1000, 0.0)
 
 
 async def delivery(visit: Visit) -> Response:
