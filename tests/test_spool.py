@@ -321,3 +321,31 @@ def test_a_spool_folder_that_cannot_be_written_stops_listen_with_one_line(tmp_pa
         "there (a volume), set settings.spool.dir to one, or turn the spool off with "
         "'spool: false'\n"
     )
+
+
+async def test_a_failed_fsync_refuses_its_batch_and_later_records_still_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk that fails an fsync: that batch is answered "not kept" (503 for its
+    senders), its bytes are cut off, and the next records go to a new segment, so
+    nothing after them is read as a torn or foreign frame."""
+    spool = Spool(tmp_path, 1 << 30)
+    assert await spool.append(delivery(1))
+    real = os.fsync
+    failures = [OSError(5, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    with caplog.at_level(logging.ERROR, logger="realm"):
+        assert await spool.append(delivery(2)) is False
+    assert any('"state":"write_failed"' in r.getMessage() for r in caplog.records)
+    assert await spool.append(delivery(3))
+    with caplog.at_level(logging.WARNING, logger="realm"):
+        got = [d.delivery_id for d in drain_all(spool)]
+    assert got == [delivery(1).delivery_id, delivery(3).delivery_id]
+    assert not any('"state":"skipped"' in r.getMessage() for r in caplog.records)
+    spool.close()

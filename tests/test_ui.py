@@ -593,3 +593,26 @@ def test_triggers_cannot_take_the_inspector_paths():
             "pick another path (reserved: /v1/…, /ui/…, /healthz, /metrics, /openapi.json, "
             "/readyz, /ui, /v1)"
         )
+
+
+def test_the_deliveries_page_says_what_the_spool_holds_and_badges_accepted() -> None:
+    """A delivery kept in the spool is listed as ``accepted`` (it has no run yet), and
+    the page says how many this worker's spool holds, and since when."""
+    from gateway.faces.ui.delivery_views import deliveries_page
+    from gateway.faces.ui.layout import Frame
+
+    item = {
+        "delivery_id": "dlv-0193a1b2c3d4-5e6f7a8b", "received_ms": 1_733_000_000_000,
+        "path": "/hooks/github", "status": 202, "code": None, "replay_of": None,
+        "outcomes": [{"trigger": "github-push", "outcome": "accepted", "run_id": None}],
+    }  # fmt: skip
+    html = str(deliveries_page([item], {}, ["/hooks/github"], None, Frame(), (3, 41.6)))
+    assert (
+        '<p class="spool" id="spool">This worker\'s spool holds 3 deliveries the store has '
+        "not taken yet (the oldest 42 s old)."
+    ) in html
+    assert '<span class="badge accepted">accepted</span>' in html
+    assert '<option value="accepted">accepted</option>' in html
+    # Nothing held: no note.
+    assert 'id="spool"' not in str(deliveries_page([item], {}, [], None, Frame(), (0, 0.0)))
+    assert 'id="spool"' not in str(deliveries_page([item], {}, [], None, Frame(), None))

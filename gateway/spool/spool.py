@@ -177,11 +177,14 @@ class Spool:
                 while written < len(data):
                     written += os.write(self._fd, data[written:])
             except OSError:
-                # A part may be on disk: cut it off, so the next frame starts clean.
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, self._size)
+                self._abandon()
                 raise
-        os.fsync(self._fd)
+        # Outside the size lock: another worker's appends need not wait for our disk.
+        try:
+            os.fsync(self._fd)
+        except OSError:
+            self._abandon()
+            raise
         with self._state:
             self._size += len(data)
             self._own.records += len(accepted)
@@ -191,6 +194,14 @@ class Spool:
         else:
             self._full()
         return kept
+
+    def _abandon(self) -> None:
+        """After a failed write or fsync: part of the batch may be on disk, and after a
+        failed fsync nothing is known of it. Cut it off, and go on in a new segment,
+        so that no frame is ever written after bytes the drain could not read."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
+        self._rotate()
 
     def _full(self) -> None:
         if not self._warned_full:
