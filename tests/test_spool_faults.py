@@ -50,7 +50,7 @@ from tests.exactly_once import (
     read_store,
     wait_for_workers,
 )
-from tests.listener import Listener
+from tests.listener import Listener, spool_off
 from tests.senders import Delivery, Outcome, Sender, Tally, client_for
 from tests.servers import RedisServer
 from tests.signing import github_headers
@@ -467,7 +467,7 @@ def test_an_unverified_delivery_is_never_spooled(
 def test_spool_false_answers_503_while_redis_is_down(
     tmp_path: Path, start_redis: Callable[..., RedisServer]
 ) -> None:
-    listener = down(tmp_path, start_redis, with_settings("  spool: false\n"))
+    listener = down(tmp_path, start_redis, spool_off(CONFIG))
     try:
         [event] = make_events(1, seed=55)
         reply = httpx.post(f"{listener.base_url}{event.path}", content=event.body,

@@ -52,6 +52,13 @@ config_option = click.option(
 )  # fmt: skip
 
 
+def usage_error(message: str) -> click.ClickException:
+    """A bad option or value: ``Error: <message>`` on one line, exit 2 as click's own."""
+    error = click.ClickException(message)
+    error.exit_code = EXIT_USAGE
+    return error
+
+
 def _checked_redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
     """One line and exit 2 for a URL redis-py cannot use (it would raise a traceback
     later); the message shows the URL without its password."""
@@ -60,9 +67,7 @@ def _checked_redis_url(ctx: click.Context, param: click.Parameter, value: str | 
     try:
         return check_redis_url(value)
     except BadRedisUrl as exc:
-        error = click.ClickException(f"--redis-url: {exc}")
-        error.exit_code = EXIT_USAGE
-        raise error from None
+        raise usage_error(f"--redis-url: {exc}") from None
 
 
 redis_url_option = click.option(

@@ -13,7 +13,7 @@ from typing import Any
 import click
 import orjson
 
-from gateway.cli.common import EXIT_USAGE, reports_errors, store_options, with_store
+from gateway.cli.common import reports_errors, store_options, usage_error, with_store
 from gateway.deliveries.text import (
     SINCE_HELP,
     check_cursor,
@@ -32,14 +32,6 @@ def deliveries() -> None:
     """The delivery log: what `realm listen` answered, and replays of it."""
 
 
-def _usage_error(exc: RealmError) -> click.ClickException:
-    # The filter's messages start with the field's name ("since must be ..."): as an
-    # option it is "--since must be ...", one line, exit 2 like any bad option.
-    error = click.ClickException(f"--{exc.message}")
-    error.exit_code = EXIT_USAGE
-    return error
-
-
 def _checked_filter(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
     from gateway.deliveries.log import DeliveryFilter
 
@@ -50,7 +42,9 @@ def _checked_filter(ctx: click.Context, param: click.Parameter, value: str | Non
             return parse_since(value, int(time.time() * 1000))
         DeliveryFilter(**{str(param.name): value}).check()
     except RealmError as exc:
-        raise _usage_error(exc) from None
+        # The filter's messages start with the field's name ("since must be ..."): as
+        # an option it is "--since must be ...".
+        raise usage_error(f"--{exc.message}") from None
     return value
 
 

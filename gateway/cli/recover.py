@@ -24,6 +24,7 @@ from gateway.cli.common import (
     EXIT_USAGE,
     reports_errors,
     server_options,
+    usage_error,
     with_store,
 )
 from gateway.deliveries.text import parse_since
@@ -43,17 +44,11 @@ _TOKEN = re.compile(r"[\x21-\x7e]+")
 _ORG = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")
 
 
-def _usage(message: str) -> click.ClickException:
-    error = click.ClickException(message)
-    error.exit_code = EXIT_USAGE
-    return error
-
-
 def _checked_since(ctx: click.Context, param: click.Parameter, value: str) -> datetime:
     try:
         ms = parse_since(value, int(time.time() * 1000))
     except RealmError as exc:
-        raise _usage(f"--{exc.message}") from None
+        raise usage_error(f"--{exc.message}") from None
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
@@ -63,7 +58,7 @@ def _checked_api_url(ctx: click.Context, param: click.Parameter, value: str) -> 
     try:
         return check_api_url(value)
     except ValueError as exc:
-        raise _usage(f"--api-url {exc}") from None
+        raise usage_error(f"--api-url {exc}") from None
 
 
 def recover_options(func: F) -> F:
@@ -126,7 +121,7 @@ def _route(config_path: str, scheme: str, path: str | None) -> tuple[Config, Rou
     try:
         return config, pick_route(config, scheme, path)
     except PathError as exc:
-        raise _usage(f"--path: {exc}") from None
+        raise usage_error(f"--path: {exc}") from None
 
 
 def _finish(summary: Summary, records: str, as_json: bool) -> None:
@@ -252,17 +247,17 @@ def _hook(repo: str | None, org: str | None, app: bool, hook_id: int | None) -> 
     chosen = [name for name, given in (("--repo", repo), ("--org", org), ("--app", app)) if given]
     if len(chosen) != 1:
         problem = "none was given" if not chosen else f"got {' and '.join(chosen)}"
-        raise _usage(f"give one of --repo OWNER/REPO, --org ORG or --app ({problem})")
+        raise usage_error(f"give one of --repo OWNER/REPO, --org ORG or --app ({problem})")
     if app:
         if hook_id is not None:
-            raise _usage("--hook: a GitHub App has one webhook; leave --hook out with --app")
+            raise usage_error("--hook: a GitHub App has one webhook; leave --hook out with --app")
         return Hook("app")
     if hook_id is None:
-        raise _usage(f"--hook: the webhook's id is required with {chosen[0]}")
+        raise usage_error(f"--hook: the webhook's id is required with {chosen[0]}")
     if repo is not None and not _REPO.fullmatch(repo):
-        raise _usage(f"--repo must be OWNER/REPO (got {repo!r})")
+        raise usage_error(f"--repo must be OWNER/REPO (got {repo!r})")
     if org is not None and not _ORG.fullmatch(org):
-        raise _usage(f"--org must be an organisation's login (got {org!r})")
+        raise usage_error(f"--org must be an organisation's login (got {org!r})")
     return Hook("repo" if repo else "org", repo or org, hook_id)
 
 

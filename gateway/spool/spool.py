@@ -353,12 +353,9 @@ class Spool:
         """The arrival time of the oldest record not yet drained (None: none)."""
         if not self.pending():
             return None
-        record = self.peek()
+        # next() does not move the drain: it gives the same record until done/drop.
+        record = self.next()
         return record.delivery.received_ms if record else None
-
-    def peek(self) -> Spooled | None:
-        """``next()`` without moving: the same record until ``done`` or ``drop``."""
-        return self.next()
 
     def update_gauges(self) -> None:
         oldest = self.oldest_ms()
