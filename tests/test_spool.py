@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -348,4 +349,32 @@ async def test_a_failed_fsync_refuses_its_batch_and_later_records_still_drain(
         got = [d.delivery_id for d in drain_all(spool)]
     assert got == [delivery(1).delivery_id, delivery(3).delivery_id]
     assert not any('"state":"skipped"' in r.getMessage() for r in caplog.records)
+    spool.close()
+
+
+async def test_the_gauges_say_what_the_spool_holds_and_fall_to_zero_once_drained(
+    tmp_path: Path,
+) -> None:
+    from prometheus_client import REGISTRY
+
+    def gauge(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name)
+
+    spool = Spool(tmp_path, 1 << 30)
+    records = [delivery(n, b"g" * 400) for n in range(3)]  # received long ago (2023)
+    for record in records:
+        assert await spool.append(record)
+    before = time.time()
+    spool.update_gauges()
+    after = time.time()
+    assert gauge("realm_spool_records") == 3
+    assert gauge("realm_spool_bytes") == sum(len(encode(r)) for r in records)
+    oldest = records[0].received_ms / 1000
+    assert before - oldest <= gauge("realm_spool_oldest_age_seconds") <= after - oldest
+    drain_all(spool)
+    await spool.compact()
+    spool.update_gauges()
+    assert [gauge(f"realm_spool_{n}") for n in ("records", "bytes", "oldest_age_seconds")] == [
+        0, 0, 0,
+    ]  # fmt: skip
     spool.close()
