@@ -71,3 +71,26 @@ async def test_cancel_key_on_a_dangling_pointer_leaves_no_key_without_a_ttl(
     assert await redis.zrange(keys.runs(), 0, -1) == []
     again = await wstore.start_run("w", {}, "k")  # and the key starts afresh
     assert again.run_id not in (first.run_id, second.run_id)
+
+
+async def test_a_key_started_after_cancel_key_freed_it_keeps_its_run_set_live(
+    wstore: RunStore, redis: Redis
+) -> None:
+    """cancel_key on a dangling pointer leaves the key's run set with a TTL and no
+    pointer. The key is still in the key index, so the next start on it takes the
+    full path: the run set loses its TTL while the new run is live, and the new run
+    is its newest member."""
+    keys = wstore.keys("w")
+    first = await wstore.start_run("w", {}, "k")
+    await wstore.cancel_run(first.run_id)
+    second = await wstore.start_run("w", {}, "k", on_terminal_match="rerun")
+    await redis.delete(keys.run(second.run_id))
+    assert await wstore.cancel_key("w", "k") == 0
+    assert await redis.exists(keys.pointer("k")) == 0
+    assert await redis.pttl(keys.key_runs("k")) > 0
+
+    third = await wstore.start_run("w", {}, "k")
+
+    assert await redis.pttl(keys.key_runs("k")) == -1
+    newest = await redis.zrange(keys.key_runs("k"), -1, -1)
+    assert [m.decode() for m in newest] == [third.run_id]

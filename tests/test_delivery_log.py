@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Any
 
+import orjson
 import pytest
 from redis.asyncio import Redis
 
@@ -18,11 +19,13 @@ from gateway.deliveries.log import (
     DeliveryFilter,
     DeliveryRecorder,
     LogKeys,
+    build_record,
     get_delivery,
     list_deliveries,
     replay,
     write_records,
 )
+from gateway.deliveries.records import pack_record
 from gateway.ingest.delivery import Reply
 from gateway.ingest.served import triggers_by_path
 from gateway.model.errors import RealmError
@@ -230,6 +233,46 @@ async def test_deliveries_past_retention_are_trimmed(log_store: RunStore, redis:
     assert await redis.zrange(keys.index, 0, -1) == sorted(i.encode() for i in new_ids)
     assert not await redis.exists(*(keys.record(i) for i in old_ids))
     assert 0 < await redis.pttl(keys.record(new_ids[0])) <= 60_000
+
+
+async def test_records_of_an_earlier_version_and_long_summaries_are_read(
+    log_store: RunStore, redis: Redis
+) -> None:
+    """An earlier version kept each record as a hash (fields p, s, o, sum, doc, b): a
+    log written then is still listed, read and replayed. A record whose summary does
+    not fit the first kilobyte a listing reads is read again as far as it goes."""
+    settings = log_store.config.settings
+    keys = LogKeys(log_store.prefix)
+    body = push()
+    now = int(time.time() * 1000)
+    legacy = await deliver(log_store, body, signed(body, delivery="d-old"), when_ms=now - 2000)
+    legacy_id, values = build_record(legacy, settings)
+    await redis.hset(
+        keys.record(legacy_id),
+        mapping=dict(zip(["p", "s", "o", "sum", "doc", "b"], values[2:], strict=True)),
+    )
+    await redis.zadd(keys.index, {legacy_id: 0})
+    long = await deliver(log_store, body, signed(body, delivery="d-long"), when_ms=now - 1000)
+    long_id, values = build_record(long, settings)
+    summary = orjson.loads(values[5])
+    summary["outcomes"] *= 40  # as a path with many triggers would have
+    values[5] = orjson.dumps(summary)
+    assert len(values[5]) > 2048
+    await redis.set(keys.record(long_id), pack_record(values))
+    await redis.zadd(keys.index, {long_id: 0})
+
+    page, _ = await list_deliveries(log_store)
+    assert [item["delivery_id"] for item in page] == [long_id, legacy_id]
+    assert page[0] == summary
+    assert len(page[0]["outcomes"]) == 40
+    record = await get_delivery(log_store, legacy_id)
+    assert (record["body"], record["triggers"][0]["event_id"]) == (body.decode(), "d-old")
+    replayed = await replay(
+        log_store, triggers_by_path(log_store.config), settings,
+        log_store.config.version, legacy_id,
+    )  # fmt: skip
+    assert replayed["replay_of"] == legacy_id
+    assert replayed["triggers"][0]["outcome"] == "deduplicated"
 
 
 async def test_filters_select_by_path_status_outcome_and_time(log_store: RunStore) -> None:

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
+from redis.client import NEVER_DECODE
 
 from gateway.deliveries.log import DeliveryRecorder, LogKeys
+from gateway.deliveries.records import unpack_record
 from gateway.link.connection import redis_client
 from gateway.store.runstore import RunStore
 from gateway.store.scripts import script_source
@@ -44,7 +46,8 @@ def event_ids(db: redis_sync.Redis) -> list[str]:
     ids = db.zrange(keys.index, 0, -1) + db.zrange(keys.refused, 0, -1)
     found = []
     for delivery_id in ids:
-        doc = json.loads(db.hget(keys.record(delivery_id), "doc"))
+        stored = db.execute_command("GET", keys.record(delivery_id), **{NEVER_DECODE: True})
+        doc = json.loads(unpack_record(stored)[0])
         found += [t["event_id"] for t in doc["triggers"]]
     return sorted(found)
 

@@ -114,6 +114,27 @@ async def test_a_caller_retrying_with_its_op_id_learns_what_the_first_call_did(
 
 
 @pytest.mark.slow
+async def test_a_lost_start_reply_reports_the_run_the_first_try_started(proxied) -> None:
+    """A first try skips the caller-id check (a fresh run id cannot be in Redis); the
+    store's resend of a call whose reply was lost makes it, and finds its own run."""
+    store, proxy = proxied
+    lose_the_next_script_reply(proxy)
+    started = await store.start_run("sync", {}, "k")
+    assert_one_reply_was_lost(proxy)
+    assert (started.deduped, started.rerun_of) == (False, None)
+    assert started.run_id == proxy.dropped[0].script_argv[0].decode()
+    assert await store.redis.zcard("realm:{sync}:runs") == 1
+
+
+async def test_a_lost_batch_reply_without_a_batch_id_starts_every_item_once(proxied) -> None:
+    store, proxy = proxied
+    lose_the_next_script_reply(proxy)
+    entries = await store.start_run_batch("sync", [{"params": {"n": n}} for n in range(5)])
+    assert_one_reply_was_lost(proxy)
+    assert all(e.result and not e.result.deduped for e in entries)
+    assert await store.redis.zcard("realm:{sync}:runs") == 5
+
+
 async def test_a_batch_retried_after_an_unknown_outcome_starts_every_item_once(
     start_redis, config: Config
 ) -> None:

@@ -129,6 +129,42 @@ async def test_a_marker_whose_run_is_gone_protects_nothing(store: RunStore) -> N
     assert (await store.get_run(again.run_id)).phase == "running"
 
 
+async def test_a_refused_start_leaves_no_marker_of_its_event(store: RunStore) -> None:
+    """The claim places an absent marker as it reads it; a start that ends without a
+    decision (a refusal, a repeat's need of the run's hash) takes it back."""
+    await start(store, "evt-A", "fail", "reuse")
+    with pytest.raises(RealmError):
+        await start(store, "evt-B", "fail", "reuse")
+    marker = store.keys(WF).event("trigger", "evt-B")
+    assert await store.redis.exists(marker) == 0
+
+
+async def test_a_marker_an_earlier_version_wrote_as_a_hash_still_deduplicates(
+    store: RunStore,
+) -> None:
+    """Markers were hashes before they were strings: one written then, during an
+    upgrade, still answers for its event, in the claim and in its preview; the next
+    decision on that event writes it anew, as a string."""
+    first = await start(store, "evt-A", "use_existing", "rerun")
+    await store.complete_step(first.run_id, "only")
+    marker = store.keys(WF).event("trigger", "evt-A")
+    await store.redis.delete(marker)
+    await store.redis.hset(
+        marker, mapping={"run": first.run_id, "outcome": "created", "rerun_of": "", "tag": ""}
+    )
+    decision, state = await store.preview_start(
+        WF, KEY, "use_existing", "rerun", "flag", "fp", [store.event_marker(WF, "trigger", "evt-A")]
+    )
+    assert (decision, state and state.run_id) == ("existing", first.run_id)
+    again = await start(store, "evt-A", "use_existing", "rerun")
+    assert (again.deduped, again.run_id) == (True, first.run_id)
+    assert await run_count(store) == 1
+    # A new event on the key reruns it; its marker is a string from the start.
+    other = await start(store, "evt-B", "use_existing", "rerun")
+    assert other.rerun_of == first.run_id
+    assert await store.redis.type(store.keys(WF).event("trigger", "evt-B")) == b"string"
+
+
 # ------------------------------------------------------------------ request ids
 
 

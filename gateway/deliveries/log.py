@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from gateway.deliveries.records import (
     DELIVERY_ID,
@@ -36,6 +37,7 @@ from gateway.deliveries.records import (
     kept_headers,
     new_delivery_id,
     on_arrival,
+    unpack_record,
     verify_fingerprint,
 )
 from gateway.deliveries.writing import (
@@ -185,7 +187,7 @@ async def get_delivery(store: RunStore, delivery_id: str) -> dict[str, Any]:
     check_delivery_id(delivery_id)
     name = LogKeys(store.prefix).record(delivery_id)
     async with store.deadline():
-        raw, body = await store.call(lambda: store.redis.hmget(name, ["doc", "b"]))
+        raw, body = await store.call(lambda: _read_record(store.redis, name))
     if raw is None:
         raise RealmError(
             "NOT_FOUND_DELIVERY",
@@ -193,6 +195,18 @@ async def get_delivery(store: RunStore, delivery_id: str) -> dict[str, Any]:
             "settings.delivery_retention and at most settings.max_deliveries)",
         )
     return with_body(orjson.loads(raw), body)
+
+
+async def _read_record(redis: Redis, name: str) -> tuple[bytes | None, bytes | None]:
+    """A record's JSON and body: one GET, or a hash an earlier version wrote."""
+    try:
+        stored = await redis.get(name)
+    except ResponseError as exc:
+        if "WRONGTYPE" not in str(exc):
+            raise
+        raw, body = await redis.hmget(name, ["doc", "b"])
+        return raw, body
+    return (None, None) if stored is None else unpack_record(stored)
 
 
 def with_body(record: dict[str, Any], body: bytes | None) -> dict[str, Any]:

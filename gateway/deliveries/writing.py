@@ -30,7 +30,13 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from gateway.deliveries.records import LogKeys, build_record, id_floor, new_delivery_id
+from gateway.deliveries.records import (
+    LogKeys,
+    build_record,
+    id_floor,
+    new_delivery_id,
+    pack_record,
+)
 from gateway.ingest.received import Received
 from gateway.model.config import Settings
 from gateway.store.runstore import RunStore
@@ -230,7 +236,7 @@ async def _write_chunk(
         sum(1 for i in trims[1] if i < floor),
     ]
     for _, values in records:
-        args += values[1:]  # the id is in the key
+        args += [values[1], pack_record(values)]  # the id is in the key
     scripts = store.scripts
     await store.call(lambda: scripts.record_deliveries(keys=script_keys, args=args))
 
@@ -280,31 +286,44 @@ async def _trim_candidates(
 ) -> tuple[_Trim, _Trim]:
     """Each index's trim for a batch adding ``adding``: its size and its oldest ids,
     read in one round trip (those past retention, and as many as the batch would put
-    over the cap)."""
+    over the cap).
+
+    A batch reads only the indexes it adds to (the refused one seldom): an index is
+    trimmed when records go in, and by the idle trim (no items: both indexes). The
+    oldest ids are read as many as the batch adds, which covers those past retention
+    unless every one read is past it: then those past it are read up to the budget."""
     indexes = (keys.index, keys.refused)
     caps = (settings.max_deliveries, refused_cap(settings))
     budgets = [len(new) + TRIM_SLACK for new in adding]
+    idle = not any(adding)
+    read = [idle or bool(new) for new in adding]
 
     async def read_old() -> list[Any]:
         # A fresh pipeline per try: a failed pipeline forgets its commands.
         async with store.redis.pipeline(transaction=False) as pipe:
-            for index, new, budget in zip(indexes, adding, budgets, strict=True):
-                pipe.zcard(index)
-                pipe.zrange(index, b"-", b"(" + floor, bylex=True, offset=0, num=budget)
-                # At the cap a write drops as many as it adds: the oldest so many,
-                # read now, spare a second round trip (one at least: 0..-1 is all).
-                pipe.zrange(index, 0, max(len(new), 1) - 1)
+            for index, new, wanted in zip(indexes, adding, read, strict=True):
+                if wanted:
+                    pipe.zcard(index)
+                    # At the cap a write drops as many as it adds: the oldest so many
+                    # (one at least: 0..-1 is all).
+                    pipe.zrange(index, 0, max(len(new), 1) - 1)
             return await pipe.execute()
 
-    replies = await store.call(read_old)
+    replies = iter(await store.call(read_old))
     trims: list[_Trim] = []
     for which, index in enumerate(indexes):
-        size, expired, oldest = replies[3 * which : 3 * which + 3]
+        if not read[which]:
+            trims.append(_Trim([], 0, 0, caps[which], 0, floor))
+            continue
+        size, oldest = next(replies), next(replies)
         n = min(int(size) + len(adding[which]) - caps[which], budgets[which])
-        if n > max(len(expired), len(oldest)):
-            # Further over its cap (it was lowered, say): the oldest so many.
+        if oldest and oldest[-1] < floor:
+            # Every id read is past retention: more may be.
+            n = max(n, budgets[which])
+        if n > len(oldest):
+            # Further over its cap (it was lowered, say), or past retention: so many more.
             oldest = await store.call(lambda index=index, n=n: store.redis.zrange(index, 0, n - 1))
-        old = sorted({*expired, *oldest})
+        old = sorted(oldest)
         past = sum(1 for i in old if i < floor)
         trims.append(_Trim(old, past, int(size), caps[which], budgets[which], floor))
     return trims[0], trims[1]

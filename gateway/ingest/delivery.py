@@ -364,12 +364,16 @@ def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: s
     body's hash (``missing: content_hash``) is no sender's id: one body may be sent
     for several events (a nightly cron), and a singleton may rerun on
     exactly the same body, so it gets no marker either.
+
+    The replay guard (a body seen again under another event id) is for an event id
+    the signature does not cover, a header's: an id read from the body is the same
+    whenever the body is, so the guard could never find anything there.
     """
     markers: list[Marker] = []
     sender_id = not (trigger.event_id.missing == "content_hash" and event_id == body_digest)
     if trigger.key.template != "{event_id}" and sender_id:
         markers.append(store.event_marker(trigger.workflow, trigger.name, event_id))
-    if trigger.replay_guard:
+    if trigger.replay_guard and trigger.event_id.header is not None:
         markers.append(store.replay_marker(trigger.workflow, trigger.name, body_digest, event_id))
     return markers
 

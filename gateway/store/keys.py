@@ -78,17 +78,17 @@ class Keys:
         return f"{self._base}:keyruns:{key}"
 
     def event(self, trigger: str, event_id: str) -> str:
-        """Hash: the run one event of a trigger was given, so that its redelivery is
+        """String: the run one event of a trigger was given, so that its redelivery is
         deduplicated whatever the key's policy. The trigger's name is length-prefixed:
         no two (trigger, event id) pairs share a name."""
         return f"{self._base}:event:{len(trigger)}:{trigger}:{event_id}"
 
     def body(self, trigger: str, digest: str) -> str:
-        """Hash: the run and event id a verified body was first seen with (replay guard)."""
+        """String: the run and event id a verified body was first seen with (replay guard)."""
         return f"{self._base}:body:{digest}:{trigger}"
 
     def request(self, request_id: str) -> str:
-        """Hash: the outcome of an API or MCP start with this request id, for its retry."""
+        """String: the outcome of an API or MCP start with this request id, for its retry."""
         return f"{self._base}:request:{request_id}"
 
     def op(self, op_id: str) -> str:

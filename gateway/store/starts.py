@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from redis import exceptions as redis_errors
+
 from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.model.words import plural
 from gateway.store.base import StoreBase
@@ -46,6 +48,23 @@ from gateway.store.runs import (
 # Each round of calls lets one of the racing starts through, so a start needs at most
 # one call more than the starts racing it; the deadline bounds the rest.
 MAX_CLAIM_CALLS = 256
+
+
+@dataclass
+class _Sends:
+    """Whether a start's script call may repeat one that already ran: its caller-id
+    check (a look at the new run's hash) is needed only then. The first try of a run id
+    the store made up cannot find a run of that id, so it skips the check. Once a call
+    is sent a second time (its connection dropped, its reply maybe lost), that call and
+    every later one of the claim look."""
+
+    resend: bool
+
+    def flag(self, tries: list[int]) -> str:
+        """The script's resend argument for one more send of the call ``tries`` counts."""
+        tries[0] += 1
+        self.resend = self.resend or tries[0] > 1
+        return "1" if self.resend else "0"
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,8 @@ class RunStarts(StoreBase):
             wf.steps[0],
         ]
         marks = [x for m in markers for x in (m.mode, m.tag)]
+        # A run id the caller chose may have been started by an earlier call of theirs.
+        sends = _Sends(resend=run_id is not None)
         async with self.deadline() if bounded else contextlib.nullcontext():
             named = {"pointer": "", "marker": ""}
             for _ in range(MAX_CLAIM_CALLS):
@@ -159,8 +180,8 @@ class RunStarts(StoreBase):
                     *tail,
                 ]
                 reply = await self._retrying(
-                    lambda k=script_keys, a=[*argv, cur, mrun, *marks]: self._run_script(
-                        self.scripts.start_run, k, a
+                    lambda k=script_keys, a=[*argv, cur, mrun], t=[0]: self._run_script(
+                        self.scripts.start_run, k, [*a, sends.flag(t), *marks]
                     )
                 )
                 if reply[0] != b"need_run":
@@ -254,7 +275,9 @@ class RunStarts(StoreBase):
                   on_params_mismatch, wf.retention_ms, wf.steps[0]]  # fmt: skip
         async with self.deadline():
             for p, items_here in sorted(by_partition.items()):
-                reply = await self._batch_call(parts[p], items_here, prepared, ids, common)
+                reply = await self._batch_call(
+                    parts[p], items_here, prepared, ids, common, resend=batch_id is not None
+                )
                 for n, i in enumerate(items_here):
                     group = reply[6 * n : 6 * n + 6]
                     try:
@@ -288,10 +311,14 @@ class RunStarts(StoreBase):
         prepared: list[tuple[str | None, bytes, str]],
         ids: dict[int, str],
         common: list[Any],
+        *,
+        resend: bool,
     ) -> list[Any]:
         """start_batch.lua for the items of one partition: one atomic call (after the
         `need_run` rounds that name the runs its repeats point at, which write nothing)."""
         named: dict[int, str] = {}
+        # Run ids from a batch id are the same on the caller's retry of the batch.
+        sends = _Sends(resend=resend)
         for _ in range(MAX_CLAIM_CALLS):
             script_keys = [keys.runs(), keys.stream(), keys.key_index()]
             argv: list[Any] = list(common)
@@ -305,7 +332,9 @@ class RunStarts(StoreBase):
                                     keys.run(named[i]) if i in named else run_key]  # fmt: skip
                 argv += [ids[i], key or "", params_json, fingerprint, named.get(i, "")]
             reply = await self._retrying(
-                lambda k=script_keys, a=argv: self._run_script(self.scripts.start_batch, k, a)
+                lambda k=script_keys, a=argv, t=[0]: self._run_script(
+                    self.scripts.start_batch, k, [*a[:7], sends.flag(t), *a[7:]]
+                )
             )
             if reply[0] != b"need_run":
                 return reply
@@ -337,10 +366,8 @@ class RunStarts(StoreBase):
         )
         async with self.deadline():
             for marker in markers:
-                run, tag = await self._retrying(
-                    lambda m=marker: self.redis.hmget(m.name(keys), ["run", "tag"])
-                )
-                if run is None or (marker.mode == "replay" and text_of(tag) == marker.tag):
+                run, tag = await self._retrying(lambda m=marker: self._read_marker(m.name(keys)))
+                if run is None or (marker.mode == "replay" and tag == marker.tag):
                     continue
                 run_key = keys.run(text_of(run))
                 phase = await self._retrying(lambda k=run_key: self.redis.hget(k, "phase"))
@@ -358,6 +385,21 @@ class RunStarts(StoreBase):
             decide(state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint),
             state,
         )
+
+    async def _read_marker(self, name: str) -> tuple[str | None, str]:
+        """A marker's run and tag (see start_run.lua): a string, or a hash written by
+        an earlier version."""
+        try:
+            value = await self.redis.get(name)
+        except redis_errors.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            run, tag = await self.redis.hmget(name, ["run", "tag"])
+            return (None if run is None else text_of(run)), text_of(tag or b"")
+        if value is None:
+            return None, ""
+        run, _outcome, _rerun_of, tag = text_of(value).split("\n", 3)
+        return run, tag
 
 
 def _start_result(

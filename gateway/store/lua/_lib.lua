@@ -166,13 +166,52 @@ end
 -- dropped from the set (their run hashes expire on their own).
 local KEYRUNS_KEEP = 1000
 
+-- Markers are strings: the run, the outcome, the run it reran and the tag (the event id
+-- a replay guard's body came with), one per line, the tag last: only it may hold a
+-- newline. One SET places, reads and dates a marker at once (an earlier version kept
+-- hashes: those are still read, and a write replaces them).
+local function marker_value(run_id, outcome, rerun_of, tag)
+  return run_id .. '\n' .. outcome .. '\n' .. rerun_of .. '\n' .. tag
+end
+
+-- Place `value` at `marker` unless one is there: nil when placed, else what was there
+-- as {run, outcome, rerun_of, tag}.
+local function place_marker(marker, value, retention)
+  local got = redis.pcall('SET', marker, value, 'NX', 'GET', 'PX', retention)
+  if type(got) == 'table' and got.err then
+    if not string.find(got.err, 'WRONGTYPE', 1, true) then
+      error(got)
+    end
+    return redis.call('HMGET', marker, 'run', 'outcome', 'rerun_of', 'tag')
+  end
+  if not got then
+    return nil
+  end
+  local a = string.find(got, '\n', 1, true)
+  local b = string.find(got, '\n', a + 1, true)
+  local c = string.find(got, '\n', b + 1, true)
+  return {string.sub(got, 1, a - 1), string.sub(got, a + 1, b - 1),
+          string.sub(got, b + 1, c - 1), string.sub(got, c + 1)}
+end
+
 -- Write the markers of a start that was decided (a run started or deduplicated):
 -- a redelivery of the same event, a replayed body or a retried request finds them.
-local function mark(k, a, outcome, run_id, rerun_of)
+-- `done[i]`: marker i already holds this decision (placed by this call as it).
+local function mark(k, a, outcome, run_id, rerun_of, done)
   for i, marker in ipairs(k.markers) do
-    redis.call('HSET', marker, 'run', run_id, 'outcome', outcome, 'rerun_of', rerun_of,
-      'tag', a.marks[i].tag)
-    redis.call('PEXPIRE', marker, a.retention)
+    if not done[i] then
+      redis.call('SET', marker, marker_value(run_id, outcome, rerun_of, a.marks[i].tag),
+        'PX', a.retention)
+    end
+  end
+end
+
+-- Take back the markers this call placed or found stale (`placed`): it decided nothing.
+local function unmark(k, placed)
+  for i, marker in ipairs(k.markers) do
+    if placed[i] then
+      redis.call('DEL', marker)
+    end
   end
 end
 
@@ -186,37 +225,49 @@ end
 -- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
 --    on_mismatch, retention, seq (the item's place in a batch; 0 alone),
 --    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
+--    resend ('1': this call may repeat one that ran, so look for the run a.id first),
 --    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
 --    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated) or
 --    'replay' (a body digest: a hit only when the tag, the event id, differs)
 -- now: server time in ms; now_us: in microseconds.
 -- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
 local function claim(k, a, now, now_us)
-  -- Caller-id check: this exact start already committed (its reply was lost).
-  local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of')
-  if mine[1] then
-    return {'created', a.id, mine[1], mine[2] or '', mine[3] or '', '0'}
+  -- Caller-id check: this exact start already committed (its reply was lost). Only a
+  -- resend can find it: a first try names a run id no call has used.
+  if a.resend == '1' then
+    local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of')
+    if mine[1] then
+      return {'created', a.id, mine[1], mine[2] or '', mine[3] or '', '0'}
+    end
   end
 
   -- Markers: this event, body or request was decided before. A marker whose tag
   -- differs is a hit only for a replay guard (same body, another event id); a
-  -- marker with no tag of ours ('') is always a hit.
+  -- marker with no tag of ours ('') is always a hit. An absent marker is placed at
+  -- once as a new run of this call would have it (the usual end), and taken back
+  -- if the call ends otherwise.
+  local placed, stale = {}, {}
   for i, marker in ipairs(k.markers) do
-    local m = redis.call('HMGET', marker, 'run', 'outcome', 'rerun_of', 'tag')
     local mode, tag = a.marks[i].mode, a.marks[i].tag
-    if m[1] and (mode ~= 'replay' or m[4] ~= tag) then
+    local m = place_marker(marker, marker_value(a.id, 'created', '', tag), a.retention)
+    if not m then
+      placed[i] = true
+    elseif m[1] and (mode ~= 'replay' or m[4] ~= tag) then
       if a.mrun_id ~= m[1] then
+        unmark(k, placed)
         return {'need_run', m[1], 'marker', '', '', '0'}
       end
       local r = redis.call('HMGET', k.mrun, 'phase', 'step')
       if r[1] then
+        unmark(k, placed)
         if mode == 'same' and m[2] == 'created' then
           return {'created', m[1], r[1], r[2] or '', m[3] or '', '0'}
         end
         return {'existing', m[1], r[1], r[2] or '', '', '0'}
       end
       -- The run it names is gone (deleted, evicted): the marker protects nothing.
-      redis.call('DEL', marker)
+      -- This call's decision replaces it; a refusal deletes it.
+      stale[i] = true
     end
   end
 
@@ -227,6 +278,7 @@ local function claim(k, a, now, now_us)
     if cur_id and cur_id ~= a.cur_id then
       -- A repeat: every decision below names or ends the key's run, so the caller
       -- must name its hash (it is checked to exist). One more call, only on repeats.
+      unmark(k, placed)
       return {'need_run', cur_id, 'pointer', '', '', '0'}
     end
     if cur_id and not redis.call('HGET', k.cur, 'id') then
@@ -262,7 +314,10 @@ local function claim(k, a, now, now_us)
       -- Otherwise: rerun, or rerun_if_failed after a failed or cancelled run.
       if refusal then
         if refusal == 'existing' then
-          mark(k, a, 'existing', cur_id, '')
+          mark(k, a, 'existing', cur_id, '', {})
+        else
+          unmark(k, placed)
+          unmark(k, stale)
         end
         return {refusal, cur_id, cur_phase, cur_step, '', mismatch}
       end
@@ -288,19 +343,26 @@ local function claim(k, a, now, now_us)
       redis.call('DEL', k.pointer)
     end
     redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
-    redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
     -- The key index: reconcile walks it instead of the keyspace, the sweep drops a key
     -- once its pointer and run set are gone. Scored by this claim's time, like the run
     -- index: the sweep looks only at keys claimed more than a retention ago (a group
     -- outlives its last claim by that much, unless deleted or repointed). Only a claim
     -- that writes the pointer adds the key (one ZADD): every key group starts here, and
     -- a repeat's group (pointer or run set still there) is in the index already.
-    redis.call('ZADD', k.key_index, now_us + a.seq, a.key)
-    redis.call('PERSIST', k.keyruns)
-    if rerun_of ~= '' then
-      redis.call('ZREMRANGEBYRANK', k.keyruns, 0, -(KEYRUNS_KEEP + 1))
+    local new_key = redis.call('ZADD', k.key_index, now_us + a.seq, a.key) == 1
+    if new_key and rerun_of == '' then
+      -- A key new to the index has no run set (a key with one is in the index), so
+      -- this run is its first member and its newest, and the set has no TTL to drop.
+      redis.call('ZADD', k.keyruns, now_us + a.seq, a.id)
+    else
+      redis.call('ZADD', k.keyruns, next_score(k.keyruns, now_us + a.seq), a.id)
+      -- A key whose run ended keeps its run set with a TTL: this run makes it live.
+      redis.call('PERSIST', k.keyruns)
+      if rerun_of ~= '' then
+        redis.call('ZREMRANGEBYRANK', k.keyruns, 0, -(KEYRUNS_KEEP + 1))
+      end
     end
   end
-  mark(k, a, 'created', a.id, rerun_of)
+  mark(k, a, 'created', a.id, rerun_of, rerun_of == '' and placed or {})
   return {'created', a.id, 'running', first, rerun_of, '0'}
 end

@@ -19,7 +19,8 @@ then 4 keys per item i (base = 3 + 4*(i-1)):
 ARGV[1] workflow   ARGV[2] steps (JSON list)   ARGV[3] on_live_match
 ARGV[4] on_terminal_match   ARGV[5] on_params_mismatch   ARGV[6] retention in ms
 ARGV[7] the first step
-then 5 values per item i (base = 7 + 5*(i-1)):
+ARGV[8] '1' when this call may be a resend of one that ran (see start_run.lua)
+then 5 values per item i (base = 8 + 5*(i-1)):
   +1 new run id   +2 idempotency key ('' = none)   +3 params (canonical JSON)
   +4 fingerprint   +5 run id of slot +4 ('' = none)
 
@@ -29,13 +30,13 @@ group per item, flattened: {outcome, run_id, phase, step, rerun_of, params_misma
 with the outcomes of start_run.lua.
 ]]
 
-local workflow, steps, on_live, on_terminal, on_mismatch, retention, first =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local count = (#ARGV - 7) / 5
+local workflow, steps, on_live, on_terminal, on_mismatch, retention, first, resend =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local count = (#ARGV - 8) / 5
 
 local function item_keys(i)
   local base = 3 + 4 * (i - 1)
-  local has_key = ARGV[7 + 5 * (i - 1) + 2] ~= ''
+  local has_key = ARGV[8 + 5 * (i - 1) + 2] ~= ''
   return {
     run = KEYS[base + 1], index = KEYS[1], stream = KEYS[2], key_index = KEYS[3],
     pointer = has_key and KEYS[base + 2] or nil,
@@ -49,7 +50,7 @@ end
 local missing = {'need_run'}
 for i = 1, count do
   local k = item_keys(i)
-  if needs_cur(k.pointer, ARGV[7 + 5 * (i - 1) + 5]) then
+  if needs_cur(k.pointer, ARGV[8 + 5 * (i - 1) + 5]) then
     missing[#missing + 1] = i
     missing[#missing + 1] = redis.call('HGET', k.pointer, 'run')
   end
@@ -61,12 +62,12 @@ end
 local now, now_us = server_time()
 local reply = {}
 for i = 1, count do
-  local base = 7 + 5 * (i - 1)
+  local base = 8 + 5 * (i - 1)
   local result = claim(item_keys(i), {
     id = ARGV[base + 1], workflow = workflow, key = ARGV[base + 2], params = ARGV[base + 3],
     fp = ARGV[base + 4], steps = steps, first = first, on_live = on_live,
     on_terminal = on_terminal, on_mismatch = on_mismatch, retention = retention, seq = i,
-    cur_id = ARGV[base + 5], mrun_id = '', marks = {},
+    cur_id = ARGV[base + 5], mrun_id = '', resend = resend, marks = {},
   }, now, now_us)
   for _, v in ipairs(result) do
     reply[#reply + 1] = v

@@ -9,7 +9,7 @@ KEYS[5]  runs of this key (zset)            realm:{wf}:keyruns:<key>   (KEYS[1] 
 KEYS[6]  run hash the pointer names, after a `need_run` reply named it  (else KEYS[1])
 KEYS[7]  run hash a marker names, after a `need_run` reply named it     (else KEYS[1])
 KEYS[8]  index of the workflow's keys (zset, by last claim)  realm:{wf}:keys
-KEYS[9…] markers (hashes): realm:{wf}:event:…, realm:{wf}:body:…, realm:{wf}:request:…
+KEYS[9…] markers (strings): realm:{wf}:event:…, realm:{wf}:body:…, realm:{wf}:request:…
 
 ARGV[1] new run id (chosen by the caller)   ARGV[2] workflow
 ARGV[3] idempotency key ('' = none)         ARGV[4] params (canonical JSON)
@@ -21,6 +21,8 @@ ARGV[10] retention in ms (for a run this call ends, and for the markers)
 ARGV[11] the workflow's first step (ARGV[6][1], sent apart to spare a JSON decode)
 ARGV[12] run id KEYS[6] is the hash of ('' = none)
 ARGV[13] run id KEYS[7] is the hash of ('' = none)
+ARGV[14] '1' when this call may be a resend of one that ran (its reply lost, or a run
+         id the caller chose): only then is KEYS[1] looked at, the caller-id check
 then 2 per marker: mode (same | dedupe | replay), tag
 
 Reply: {outcome, run_id, phase, step, rerun_of, params_mismatch ('1' | '0')}
@@ -43,7 +45,7 @@ local has_key = ARGV[3] ~= ''
 local markers, marks = {}, {}
 for i = 9, #KEYS do
   markers[#markers + 1] = KEYS[i]
-  marks[#marks + 1] = {mode = ARGV[14 + 2 * (i - 9)], tag = ARGV[15 + 2 * (i - 9)]}
+  marks[#marks + 1] = {mode = ARGV[15 + 2 * (i - 9)], tag = ARGV[16 + 2 * (i - 9)]}
 end
 local now, now_us = server_time()
 return claim(
@@ -53,5 +55,5 @@ return claim(
   {id = ARGV[1], workflow = ARGV[2], key = ARGV[3], params = ARGV[4], fp = ARGV[5],
    steps = ARGV[6], on_live = ARGV[7], on_terminal = ARGV[8], on_mismatch = ARGV[9],
    retention = ARGV[10], first = ARGV[11], seq = 0, cur_id = ARGV[12], mrun_id = ARGV[13],
-   marks = marks},
+   resend = ARGV[14], marks = marks},
   now, now_us)
