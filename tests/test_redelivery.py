@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.ingest.delivery import markers_for
 from gateway.ingest.triggers import parse_triggers
 from gateway.model.errors import ConfigError, RealmError
 from gateway.store.runs import LIVE_MATCH, TERMINAL_MATCH
@@ -376,3 +377,20 @@ def test_a_wrong_replay_guard_is_refused(verify: str, value: str, reason: str) -
     with pytest.raises(ConfigError) as refused:
         parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={"S": "whsec_c2VjcmV0"})
     assert "replay_guard" in str(refused.value) and reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("event_id", "guarded"), [("{header: X-Id}", True), ("{jsonpath: $.id}", False)]
+)
+def test_the_replay_guard_records_nothing_for_an_event_id_the_body_carries(
+    store: RunStore, event_id: str, guarded: bool
+) -> None:
+    """A body seen again under another event id is what the guard catches. An event id
+    read from the body is the same whenever the body is, so there the claim gets no
+    body marker to read and write."""
+    text = _one_trigger("{scheme: github, secret_env: S}").replace("{header: X-Id}", event_id)
+    raw = yaml.safe_load(text)
+    trigger = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={"S": "s"})["t"]
+    assert trigger.replay_guard  # on, by default for github
+    markers = markers_for(store, trigger, "evt-1", "ab" * 32)
+    assert [m.mode for m in markers] == (["replay"] if guarded else [])

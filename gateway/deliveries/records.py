@@ -101,8 +101,8 @@ def _fingerprint(scheme: str, secret_env: frozenset[str]) -> str:
 
 
 def build_record(item: Received, settings: Settings) -> tuple[str, list[str | bytes]]:
-    """The record of one delivery: its id and the script's 8 values for it. An item
-    without an id gets a new one (the recorder fixes ids before its first write)."""
+    """The record of one delivery: its id and its 8 values (``pack_record`` stores
+    them). An item without an id gets a new one."""
     reply = item.reply
     delivery_id = item.delivery_id or new_delivery_id(item.received_ms)
     verified = reply.verified

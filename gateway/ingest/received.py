@@ -7,8 +7,9 @@ gave it, so the request path never imports the log.
 
 from __future__ import annotations
 
+import functools
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,8 +19,7 @@ from gateway.ingest.triggers import Trigger
 
 @dataclass
 class Received:
-    """What the listener hands the recorder for one delivery (cheap to build: the
-    record itself is written off the hot path, at the next flush)."""
+    """What the listener hands the recorder for one delivery, once it is answered."""
 
     received_ms: int
     path: str
@@ -36,7 +36,7 @@ class Received:
 
 class Recorder(Protocol):
     def add(self, item: Received) -> None:
-        """Take one delivery for the log: an append, written off the hot path."""
+        """Take one delivery for the log: built now, written at the next flush."""
 
 
 def new_delivery_id(received_ms: int) -> str:
@@ -58,9 +58,17 @@ def authenticating(triggers: Sequence[Trigger]) -> set[str]:
     return {t.verify.header.lower() for t in triggers if t.verify.header}
 
 
-def kept(name: str, dropped: set[str]) -> bool:
+def kept(name: str, dropped: Set[str]) -> bool:
     """Whether header ``name`` (lower-case) may be kept: it authenticates no one."""
     return name not in dropped and not any(word in name for word in _SECRET_WORDS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept_name(name: bytes, dropped: frozenset[str]) -> str | None:
+    # Senders send the same few names on every delivery: each is judged once. Bounded,
+    # since a name is whatever a sender writes.
+    text = name.decode("latin-1").lower()
+    return text if kept(text, dropped) else None
 
 
 def kept_headers(
@@ -68,11 +76,11 @@ def kept_headers(
 ) -> list[list[str]]:
     """The request's headers as the log keeps them: names lower-case, in order, every
     signature, token and cookie header left out."""
-    dropped = authenticating(triggers)
+    dropped = frozenset(authenticating(triggers))
     out = []
     for name_bytes, value_bytes in raw:
-        name = name_bytes.decode("latin-1").lower()
-        if kept(name, dropped):
+        name = _kept_name(name_bytes, dropped)
+        if name is not None:
             out.append([name, _text(value_bytes)])
     return out
 

@@ -245,16 +245,19 @@ class Webhooks:
         # Answered: the body is no longer this worker's to hold (the reply holds none).
         self.budget.held -= taken.n
         self.delivery_log.observe(scope["path"], reply, started)
-        if self.recorder is not None:
-            # An append: the record is built and written at the recorder's next flush.
-            self.recorder.add(
-                Received(
-                    received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
-                    serving.version, triggers, scope["headers"], body,
-                    delivery_id=delivery_id,
-                )
-            )  # fmt: skip
-        await _reply(send, reply)
+        ms = (time.perf_counter() - started) * 1000
+        try:
+            await _reply(send, reply)
+        finally:
+            if self.recorder is not None:
+                # Recorded once the sender has its answer: the record is built now,
+                # and written at the recorder's next flush.
+                self.recorder.add(
+                    Received(
+                        received_ms, scope["path"], reply, ms, serving.version, triggers,
+                        scope["headers"], body, delivery_id=delivery_id,
+                    )
+                )  # fmt: skip
 
     async def _spool(
         self,

@@ -165,6 +165,16 @@ class StoreBase:
         caller bounds it (``deadline``)."""
         return await self._retrying(call)
 
+    async def call_script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+        """One script call of a caller outside the store (the delivery log's writes),
+        with ``call``'s retries. It goes on the store's own connection when there is
+        one (packed by hiredis, written with the claims of its loop turn), unless
+        writes wait for replicas: the log needs no such wait, nor to hold claims up."""
+        if self._pipeline is not None and self._durability is None:
+            pipeline = self._pipeline
+            return await self._retrying(lambda: pipeline.evalsha(script, keys, args))
+        return await self._retrying(lambda: script(keys, args))
+
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run one Redis call; on a dropped connection try once more on a fresh one.
 
