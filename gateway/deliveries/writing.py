@@ -1,9 +1,9 @@
 """Writing the delivery log: each worker's ``DeliveryRecorder``, and ``write_records``.
 
-Recording builds a delivery's record as soon as it is answered (its stored string:
-records.pack_record) and appends it to a list: the delivery's headers and body are
-let go at once, while they are still in the CPU's caches. The recorder writes what
-gathered every 100 ms, at most ``WRITE_CHUNK`` records per script call (record_deliveries.lua),
+Recording builds a delivery's record as soon as it is answered, while its objects
+are still in the CPU's caches, and appends the stored string (records.pack_record) to
+a list; the delivery's objects are let go at once. The recorder writes what gathered
+every 100 ms, at most ``WRITE_CHUNK`` records per script call (record_deliveries.lua),
 and each write also trims the log to ``settings.delivery_retention`` and
 ``settings.max_deliveries`` (the oldest ids read first: the script is told every key
 it touches). The log is a record of what happened, not part of the
@@ -32,12 +32,7 @@ from typing import Any, NamedTuple
 
 from prometheus_client import Counter
 
-from gateway.deliveries.records import (
-    LogKeys,
-    build_record,
-    id_floor,
-    pack_record,
-)
+from gateway.deliveries.records import LogKeys, build_record, id_floor, pack_record
 from gateway.ingest.received import Received
 from gateway.model.config import Settings
 from gateway.store.runstore import RunStore

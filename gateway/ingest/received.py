@@ -19,7 +19,7 @@ from gateway.ingest.triggers import Trigger
 
 @dataclass
 class Received:
-    """What the listener hands the recorder for one delivery, once it is answered."""
+    """What the listener hands the recorder for one delivery it answered."""
 
     received_ms: int
     path: str

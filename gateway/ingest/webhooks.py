@@ -245,19 +245,17 @@ class Webhooks:
         # Answered: the body is no longer this worker's to hold (the reply holds none).
         self.budget.held -= taken.n
         self.delivery_log.observe(scope["path"], reply, started)
-        ms = (time.perf_counter() - started) * 1000
-        try:
-            await _reply(send, reply)
-        finally:
-            if self.recorder is not None:
-                # Recorded once the sender has its answer: the record is built now,
-                # and written at the recorder's next flush.
-                self.recorder.add(
-                    Received(
-                        received_ms, scope["path"], reply, ms, serving.version, triggers,
-                        scope["headers"], body, delivery_id=delivery_id,
-                    )
-                )  # fmt: skip
+        if self.recorder is not None:
+            # Built now and written at the recorder's next flush. Before the reply: a
+            # spooled delivery's `accepted` record must be in before the drain's.
+            self.recorder.add(
+                Received(
+                    received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
+                    serving.version, triggers, scope["headers"], body,
+                    delivery_id=delivery_id,
+                )
+            )  # fmt: skip
+        await _reply(send, reply)
 
     async def _spool(
         self,
