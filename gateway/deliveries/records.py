@@ -44,7 +44,8 @@ from gateway.signatures.spec import VerifySpec
 
 DELIVERY_ID = re.compile(r"dlv-[0-9a-f]{12}-[0-9a-f]{8}")
 # accepted: kept in a worker's spool, its claims not yet stored (then the outcome).
-OUTCOMES = ("started", "deduplicated", "refused", "ignored", "unverified", "accepted")
+# stale: an ordered trigger's event older than one that started a run for its entity.
+OUTCOMES = ("started", "deduplicated", "refused", "stale", "ignored", "unverified", "accepted")
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,12 @@ def _fingerprint(scheme: str, secret_env: frozenset[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_record(item: Received, settings: Settings) -> tuple[str, list[str | bytes]]:
+def build_record(
+    item: Received, settings: Settings, *, with_params: bool = True
+) -> tuple[str, list[str | bytes]]:
     """The record of one delivery: its id and its 8 values (``pack_record`` stores
-    them). An item without an id gets a new one."""
+    them). An item without an id gets a new one. ``with_params=False`` leaves each
+    trigger's params out (None)."""
     reply = item.reply
     delivery_id = item.delivery_id or new_delivery_id(item.received_ms)
     verified = reply.verified
@@ -123,7 +127,7 @@ def build_record(item: Received, settings: Settings) -> tuple[str, list[str | by
             "matched": r.matched,
             "why_not": r.why_not,
             "key": r.key,
-            "params": r.params,
+            "params": r.params if with_params else None,
             "verified": r.verified,
             "verify_spec": verify_fingerprint(specs[r.trigger]),
             **({"params_mismatch": True} if r.params_mismatch else {}),

@@ -75,8 +75,12 @@ class Packed(NamedTuple):
 
 def pack(item: Received, settings: Settings) -> Packed:
     """``item``'s record as the log stores it, under the item's id (a new one when it
-    has none yet)."""
-    delivery_id, values = build_record(item, settings)
+    has none yet). Params nested deeper than JSON encoders go (a hostile body, read by
+    a params JSONPath such as ``$.all``) are left out of the record, not its delivery."""
+    try:
+        delivery_id, values = build_record(item, settings)
+    except TypeError:  # orjson: "Recursion limit reached"
+        delivery_id, values = build_record(item, settings, with_params=False)
     return Packed(delivery_id.encode(), str(values[1]), pack_record(values))
 
 
