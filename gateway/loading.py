@@ -126,6 +126,25 @@ def parse_config(
                     name=trigger.name,
                     field="replay_guard",
                 )
+            order = trigger.order
+            if (
+                order is not None
+                and order.entity is not None
+                and order.entity.template != trigger.key.template
+                and workflows[trigger.workflow].partitions > 1
+            ):
+                # An entity's mark sits in the slot of the claims that compare with it:
+                # on a partitioned workflow, only a key that is the entity puts all of
+                # an entity's events in one partition.
+                raise ConfigError(
+                    file,
+                    f"order.key must be the trigger's key ({trigger.key.template}) on workflow "
+                    f"'{trigger.workflow}', which has partitions: an entity's events must "
+                    "be claimed in one partition",
+                    section="trigger",
+                    name=trigger.name,
+                    field="order.key",
+                )
             if trigger.path in RESERVED_PATHS or trigger.path.startswith(("/v1/", "/ui/")):
                 raise ConfigError(
                     file,

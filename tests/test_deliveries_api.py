@@ -243,7 +243,7 @@ def test_filters_by_path_status_outcome_and_since(
         ({"status": "20"}, "status must be an HTTP status like 202 or a class like 4xx (got '20')"),
         (
             {"outcome": "lost"},
-            "outcome must be one of started, deduplicated, refused, ignored, unverified, "
+            "outcome must be one of started, deduplicated, refused, stale, ignored, unverified, "
             "accepted (got 'lost')",
         ),
         ({"path": "hooks/git"}, "path must start with '/' (got 'hooks/git')"),

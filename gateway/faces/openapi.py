@@ -303,13 +303,15 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
                 "application/json": {}, "application/x-www-form-urlencoded": {}}},
             "responses": {
                 "202": _response("a run started", {"type": "object"}),
-                "200": _response("deduplicated, refused by policy, or ignored", {"type": "object"}),
+                "200": _response("deduplicated, refused by policy, stale (older than an event "
+                                 "already started for its entity), or ignored",
+                                 {"type": "object"}),
                 "400": _response("body not parseable", _ERROR),
                 "401": _response("signature missing or wrong", _ERROR),
                 "409": _response("same event id, different body (on_params_mismatch: reject)",
                                  {"type": "object"}),
                 "413": _response("body over max_body_bytes", _ERROR),
-                "422": _response("event id missing or params fail params_schema",
+                "422": _response("event id or order value missing, or params fail params_schema",
                                  {"type": "object"}),
                 "503": _response("Redis unreachable or too slow; Retry-After", _ERROR),
             },

@@ -16,14 +16,15 @@ from typing import Any
 from gateway.ingest import replies
 from gateway.ingest.body import BodyError, parse_body
 from gateway.ingest.idempotency import ExtractError
-from gateway.ingest.triggers import Trigger
+from gateway.ingest.ordering import OrderValue
+from gateway.ingest.triggers import Extracted, Trigger
 from gateway.ingest.values import HeaderLookup
 from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.signatures.spec import VerifySpec
 from gateway.signatures.verify import verify
 from gateway.store.runs import StartResult, canonical_params, check_key, fingerprint_of
 from gateway.store.runstore import RunStore
-from gateway.store.starts import Marker
+from gateway.store.starts import STATE_EVENT_STALE, Marker
 
 RETRY_AFTER_SECONDS = 5
 
@@ -221,7 +222,7 @@ async def handle(
                 trigger.on_params_mismatch,
                 fingerprint=fingerprint_for(trigger, body_digest),
                 bounded=bounded,
-                markers=_markers(store, trigger, extracted.event_id, body_digest, rerun),
+                markers=_markers(store, trigger, extracted, body_digest, rerun),
             )
             for _, trigger, extracted in claims
         ]
@@ -337,7 +338,9 @@ async def _preview(
             trigger.on_params_mismatch,
             fingerprint_for(trigger, body_digest)
             or fingerprint_of(canonical_params(extracted.params)),
-            markers=markers_for(store, trigger, extracted.event_id, body_digest),
+            markers=markers_for(
+                store, trigger, extracted.event_id, body_digest, extracted.order
+            ),
         )  # fmt: skip
     except StoreUnavailable as exc:
         result.outcome, result.code, result.message = "unknown", exc.code, exc.message
@@ -352,7 +355,13 @@ async def _preview(
     result.status = DECISION_STATUS.get(decision, 200)
 
 
-def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: str) -> list[Marker]:
+def markers_for(
+    store: RunStore,
+    trigger: Trigger,
+    event_id: str,
+    body_digest: str,
+    order: OrderValue | None = None,
+) -> list[Marker]:
     """What this delivery's claim must also answer for (one piece of work, one run).
 
     A key built from something other than the event id (a fixed key, a template) is
@@ -368,21 +377,34 @@ def markers_for(store: RunStore, trigger: Trigger, event_id: str, body_digest: s
     The replay guard (a body seen again under another event id) is for an event id
     the signature does not cover, a header's: an id read from the body is the same
     whenever the body is, so the guard could never find anything there.
+
+    An ordered trigger's event always has its marker (its redelivery gets the run it
+    got, before the order is looked at: an event that started a run is never stale
+    later), and the order's own, last: the entity's mark, which the claim compares.
     """
     markers: list[Marker] = []
     sender_id = not (trigger.event_id.missing == "content_hash" and event_id == body_digest)
-    if trigger.key.template != "{event_id}" and sender_id:
+    if (trigger.key.template != "{event_id}" or order is not None) and sender_id:
         markers.append(store.event_marker(trigger.workflow, trigger.name, event_id))
     if trigger.replay_guard and trigger.event_id.header is not None:
         markers.append(store.replay_marker(trigger.workflow, trigger.name, body_digest, event_id))
+    if order is not None:
+        assert trigger.order is not None
+        markers.append(
+            store.order_marker(
+                order.entity, order.number, order.rank, trigger.order.ties, order.text
+            )
+        )
     return markers
 
 
 def _markers(
-    store: RunStore, trigger: Trigger, event_id: str, body_digest: str, rerun: bool
+    store: RunStore, trigger: Trigger, extracted: Extracted, body_digest: str, rerun: bool
 ) -> list[Marker]:
-    # A rerun starts a new run whatever a marker would say of the event or body.
-    return [] if rerun else markers_for(store, trigger, event_id, body_digest)
+    # A rerun starts a new run whatever a marker (or the order) would say.
+    if rerun:
+        return []
+    return markers_for(store, trigger, extracted.event_id, body_digest, extracted.order)
 
 
 def fingerprint_for(trigger: Trigger, body_digest: str) -> str | None:
@@ -412,7 +434,8 @@ def _claimed(result: TriggerResult, started: StartResult) -> None:
 
 
 def _refuse(result: TriggerResult, error: RealmError) -> None:
-    result.outcome = "refused"
+    # A stale event is its own outcome: nothing is wrong with it, it came too late.
+    result.outcome = "stale" if error.code == STATE_EVENT_STALE else "refused"
     result.code = error.code
     result.message = error.message
     result.status = refusal_status(error.code)

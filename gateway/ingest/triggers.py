@@ -27,6 +27,7 @@ from gateway.ingest.idempotency import (
     compile_key,
 )
 from gateway.ingest.jsonpath import Path, compile_path
+from gateway.ingest.ordering import TIES, OrderSpec, OrderValue, Rank
 from gateway.ingest.params import ParamError, ParamsSpec, compile_params
 from gateway.ingest.values import HeaderLookup
 from gateway.model.errors import ConfigError
@@ -62,7 +63,10 @@ FIELDS = (
     "on_terminal_match",
     "on_params_mismatch",
     "replay_guard",
+    "order",
 )
+_ORDER_FIELDS = ("by", "key", "ties", "rank")
+_RANK_FIELDS = ("by", "order")
 _REQUIRED = ("workflow", "path", "verify", "event_id")
 _SOURCES = ("header", "jsonpath")
 _EVENT_ID_FIELDS = (*_SOURCES, "missing")
@@ -79,6 +83,7 @@ class Extracted:
     event_id: str
     key: str
     params: dict[str, object]
+    order: OrderValue | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class Trigger:
     on_params_mismatch: str = ON_PARAMS_MISMATCH[0]
     # Deduplicate a verified body seen again under another event id (docs/triggers.md).
     replay_guard: bool = False
+    # Refuse an event older than one already started for its entity (docs/triggers.md).
+    order: OrderSpec | None = None
 
     @functools.cached_property
     def headers_read(self) -> frozenset[str]:
@@ -111,7 +118,18 @@ class Trigger:
             names.add(self.event_id.header.lower())
         names.update(str(ref).lower() for kind, _, ref, _ in self.key.parts if kind == "header")
         names.update(str(src).lower() for _, kind, src in self.params.entries if kind == "header")
+        if self.order is not None:
+            names.update(h.lower() for h in self._order_headers())
         return frozenset(names)
+
+    def _order_headers(self) -> Iterator[str]:
+        assert self.order is not None
+        if self.order.header is not None:
+            yield self.order.header
+        if self.order.rank is not None and self.order.rank.header is not None:
+            yield self.order.rank.header
+        if self.order.entity is not None:
+            yield from (str(ref) for kind, _, ref, _ in self.order.entity.parts if kind == "header")
 
     def match(self, headers: HeaderLookup, doc: object) -> str | None:
         """None when every ``when`` condition holds, else the first failing reason."""
@@ -127,9 +145,12 @@ class Trigger:
 
     def extract(self, headers: HeaderLookup, doc: object, body: bytes) -> Extracted:
         """Event id, key and params. Raises ExtractError (VALIDATION_EVENT_ID)."""
+        order: OrderValue | None = None
         try:
             event_id = self.event_id.resolve(headers, doc, body)
             key = self.key.render(headers, doc, event_id)
+            if self.order is not None:
+                order = self.order.resolve(headers, doc, event_id, key)
         except InexactNumber:
             # An integer beyond 64 bits, rounded by the fast parse, would let two
             # neighbouring ids share a key: read the body again, exactly (rare).
@@ -139,7 +160,9 @@ class Trigger:
                 raise ExtractError(VALIDATION_EVENT_ID, str(exc)) from None
             event_id = self.event_id.resolve(headers, exact, body, exact=True)
             key = self.key.render(headers, exact, event_id, exact=True)
-        return Extracted(event_id=event_id, key=key, params=self.params.extract(headers, doc))
+            if self.order is not None:
+                order = self.order.resolve(headers, exact, event_id, key, exact=True)
+        return Extracted(event_id, key, self.params.extract(headers, doc), order)
 
     @functools.cached_property
     def reads_json(self) -> bool:
@@ -152,6 +175,11 @@ class Trigger:
             yield self.event_id.path
         yield from (ref for kind, _, ref, _ in self.key.parts if kind == "path")  # type: ignore[misc]
         yield from (src for _, kind, src in self.params.entries if kind == "path")  # type: ignore[misc]
+        if self.order is not None:
+            order = self.order
+            yield from (p for p in (order.path, order.rank and order.rank.path) if p is not None)
+            if order.entity is not None:
+                yield from (ref for kind, _, ref, _ in order.entity.parts if kind == "path")  # type: ignore[misc]
 
 
 def describe_event_id(t: Trigger) -> str:
@@ -283,6 +311,64 @@ class _TriggerParser:
             on_terminal_match=self.choice(raw, "on_terminal_match", ON_TERMINAL_MATCH),
             on_params_mismatch=self.choice(raw, "on_params_mismatch", ON_PARAMS_MISMATCH),
             replay_guard=self.replay_guard(raw),
+            order=self.order(raw["order"]) if "order" in raw else None,
+        )
+
+    def order(self, raw: object) -> OrderSpec:
+        if not isinstance(raw, dict):
+            self.fail(
+                "order",
+                "must be a mapping such as {by: $.created, key: '{$.data.object.id}'}, "
+                f"not {_kind(raw)}",
+            )
+        self.check_fields(raw, _ORDER_FIELDS, prefix="order.")
+        if "by" not in raw:
+            self.fail("order.by", "is required: the JSONPath or {header: Name} of the order value")
+        header, path = self.value_source(raw["by"], "order.by")
+        entity = self.key(raw["key"], "order.key") if "key" in raw else None
+        ties = raw.get("ties", TIES[0])
+        if ties not in TIES:
+            self.fail("order.ties", f"must be one of {', '.join(TIES)}, not {_show(ties)}")
+        rank = None
+        if "rank" in raw:
+            rank = self.rank(raw["rank"])
+        return OrderSpec(header, path, entity, ties, rank)  # type: ignore[arg-type]
+
+    def rank(self, raw: object) -> Rank:
+        if not isinstance(raw, dict):
+            self.fail(
+                "order.rank",
+                "must be a mapping such as {by: $.data.object.status, order: [active, "
+                f"canceled]}}, not {_kind(raw)}",
+            )
+        self.check_fields(raw, _RANK_FIELDS, prefix="order.rank.")
+        for required in _RANK_FIELDS:
+            if required not in raw:
+                self.fail(f"order.rank.{required}", "is required")
+        header, path = self.value_source(raw["by"], "order.rank.by")
+        words = raw["order"]
+        if (
+            not isinstance(words, list)
+            or not words
+            or not all(isinstance(w, str) and w for w in words)
+        ):
+            self.fail(
+                "order.rank.order",
+                f"must be a list of words from oldest to newest, not {_show(words)}",
+            )
+        if len(set(words)) != len(words):
+            self.fail("order.rank.order", "names a word twice")
+        return Rank(header, path, tuple(words))
+
+    def value_source(self, raw: object, field: str) -> tuple[str | None, Path | None]:
+        """A JSONPath written as a string, or ``{header: Name}`` / ``{jsonpath: $.x}``."""
+        if isinstance(raw, str):
+            return None, self.jsonpath(raw, field)
+        if isinstance(raw, dict):
+            self.check_fields(raw, _SOURCES, prefix=f"{field}.")
+            return self.source(raw, field)
+        self.fail(
+            field, f"must be a JSONPath such as $.created or {{header: Name}}, not {_kind(raw)}"
         )
 
     def replay_guard(self, raw: dict[object, object]) -> bool:
@@ -417,13 +503,13 @@ class _TriggerParser:
         except ValueError as exc:
             self.fail("event_id", str(exc))
 
-    def key(self, raw: object) -> KeyTemplate:
+    def key(self, raw: object, field: str = "key") -> KeyTemplate:
         if not isinstance(raw, str):
-            self.fail("key", f"must be a template string such as '{{event_id}}', not {_kind(raw)}")
+            self.fail(field, f"must be a template string such as '{{event_id}}', not {_kind(raw)}")
         try:
             return compile_key(raw)
         except ValueError as exc:
-            self.fail("key", str(exc))
+            self.fail(field, str(exc))
 
     def params(self, raw: object) -> ParamsSpec:
         if not isinstance(raw, dict):

@@ -152,7 +152,7 @@ def _would_start(result: TriggerResult, trigger: Trigger) -> bool:
 def _stored_refusal(result: TriggerResult) -> bool:
     # STATE_* refusals are decisions about the key's run (active, used, conflict,
     # stale): the key has been claimed before.
-    return result.outcome == "refused" and (result.code or "").startswith("STATE_")
+    return result.outcome in ("refused", "stale") and (result.code or "").startswith("STATE_")
 
 
 def _here_why(result: TriggerResult) -> str:

@@ -87,6 +87,11 @@ class Keys:
         """String: the run and event id a verified body was first seen with (replay guard)."""
         return f"{self._base}:body:{digest}:{trigger}"
 
+    def order(self, entity: str) -> str:
+        """String: the highest order value (number, rank and text) that started a run
+        for an entity of an ordered trigger's workflow (kept for its retention)."""
+        return f"{self._base}:order:{entity}"
+
     def request(self, request_id: str) -> str:
         """String: the outcome of an API or MCP start with this request id, for its retry."""
         return f"{self._base}:request:{request_id}"

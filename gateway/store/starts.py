@@ -43,6 +43,10 @@ from gateway.store.runs import (
     text_of,
 )
 
+# A delivery older than one that already started a run for its entity (an ordered
+# trigger's refusal, stored as nothing: the entity's mark only moves forward).
+STATE_EVENT_STALE = "STATE_EVENT_STALE"
+
 # Script calls one start may make: each `need_run` reply names a run the next call
 # must pass, and a concurrent start on the same key can move it again in between.
 # Each round of calls lets one of the racing starts through, so a start needs at most
@@ -70,8 +74,9 @@ class _Sends:
 @dataclass(frozen=True)
 class Marker:
     """A marker key a start reads and writes in its claim (see start_run.lua): ``mode``
-    is ``same`` (a request id), ``dedupe`` (an event id) or ``replay`` (a body digest,
-    tagged with the event id it came with)."""
+    is ``same`` (a request id), ``dedupe`` (an event id), ``replay`` (a body digest,
+    tagged with the event id it came with) or ``order`` (an entity's mark, tagged with
+    the delivery's order: ``number rank ties text``)."""
 
     name: Callable[[Keys], str]  # the marker's key, in the claim's partition
     mode: str
@@ -192,7 +197,10 @@ class RunStarts(StoreBase):
                 raise StoreUnavailable(
                     f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
                 )
-        return _start_result(workflow, idempotency_key, on_live_match, on_terminal_match, reply)
+        order = next((m.tag for m in markers if m.mode == "order"), "")
+        return _start_result(
+            workflow, idempotency_key, on_live_match, on_terminal_match, reply, order
+        )
 
     def event_marker(self, workflow: str, trigger: str, event_id: str) -> Marker:
         """A redelivery of this event (to this trigger) gets the run the first delivery
@@ -204,6 +212,12 @@ class RunStarts(StoreBase):
         deduplicated onto the first one's run; under the same event id, the key's
         policy decides (a real redelivery)."""
         return Marker(lambda k: k.body(trigger, digest), "replay", event_id)
+
+    def order_marker(self, entity: str, number: float, rank: int, ties: str, text: str) -> Marker:
+        """An ordered trigger's check: a start whose (number, rank) is below the
+        highest that started a run for ``entity`` (or equal, with ``ties: refuse``) is
+        refused as stale (STATE_EVENT_STALE); one that starts a run moves the mark."""
+        return Marker(lambda k: k.order(entity), "order", f"{number!r} {rank} {ties} {text}")
 
     async def start_run_batch(
         self,
@@ -366,6 +380,11 @@ class RunStarts(StoreBase):
         )
         async with self.deadline():
             for marker in markers:
+                if marker.mode == "order":
+                    held = await self._retrying(lambda m=marker: self.redis.get(m.name(keys)))
+                    if held is not None and _stale(marker.tag, text_of(held)):
+                        raise _stale_error(workflow, marker.tag, text_of(held).split(" ", 2)[2])
+                    continue
                 run, tag = await self._retrying(lambda m=marker: self._read_marker(m.name(keys)))
                 if run is None or (marker.mode == "replay" and tag == marker.tag):
                     continue
@@ -402,15 +421,40 @@ class RunStarts(StoreBase):
         return run, tag
 
 
+def _stale(tag: str, held: str) -> bool:
+    """start_run.lua's comparison: is the delivery ``tag`` (``number rank ties text``)
+    stale against the entity's mark ``held`` (``number rank text``)?"""
+    number, rank, ties, _ = tag.split(" ", 3)
+    held_number, held_rank, _ = held.split(" ", 2)
+    mine, theirs = (float(number), int(rank)), (float(held_number), int(held_rank))
+    return mine < theirs or (mine == theirs and ties == "refuse")
+
+
+def _stale_error(workflow: str, tag: str, newest: str) -> RealmError:
+    """The refusal of the delivery ``tag`` (an order marker's), ``newest`` being the
+    text of the entity's mark."""
+    text = tag.split(" ", 3)[3]
+    return RealmError(
+        STATE_EVENT_STALE,
+        f"Stale event for workflow '{workflow}': its order value {text} is not after "
+        f"{newest}, of an event that already started a run for the same entity; "
+        "nothing was started.",
+    )
+
+
 def _start_result(
     workflow: str,
     key: str | None,
     on_live_match: str,
     on_terminal_match: str,
     reply: list[Any],
+    order: str = "",
 ) -> StartResult:
     # Every element is a Lua string, so bytes.
     outcome, run_id, phase, step, rerun_of, mismatch = (x.decode() for x in reply)
+    if outcome == "stale":
+        # `phase` holds the text of the entity's mark as the script read it.
+        raise _stale_error(workflow, order, phase)
     if outcome == "created":
         superseded_by = None
         if rerun_of:

@@ -194,19 +194,47 @@ local function place_marker(marker, value, retention)
           string.sub(got, b + 1, c - 1), string.sub(got, c + 1)}
 end
 
+-- An ordered trigger's delivery (marker mode 'order', tag 'number rank ties text')
+-- against its entity's mark ('number rank text', the highest that started a run): the
+-- mark's text when the delivery is stale (lower, or equal with ties 'refuse'), else nil.
+local function stale_against(mark_key, tag)
+  local held = redis.call('GET', mark_key)
+  if not held then
+    return nil
+  end
+  local n, r, ties = string.match(tag, '^(%S+) (%S+) (%S+) ')
+  local hn, hr, htext = string.match(held, '^(%S+) (%S+) (.*)$')
+  n, r, hn, hr = tonumber(n), tonumber(r), tonumber(hn), tonumber(hr)
+  if n > hn or (n == hn and (r > hr or (r == hr and ties == 'accept'))) then
+    return nil
+  end
+  return htext
+end
+
+-- The entity's mark once a run started: the delivery's number, rank and text.
+local function order_mark(tag)
+  local n, r, text = string.match(tag, '^(%S+) (%S+) %S+ (.*)$')
+  return n .. ' ' .. r .. ' ' .. text
+end
+
 -- Write the markers of a start that was decided (a run started or deduplicated):
 -- a redelivery of the same event, a replayed body or a retried request finds them.
--- `done[i]`: marker i already holds this decision (placed by this call as it).
+-- `done[i]`: marker i already holds this decision (placed by this call as it). An
+-- entity's order mark moves only when a run starts.
 local function mark(k, a, outcome, run_id, rerun_of, done)
   for i, marker in ipairs(k.markers) do
-    if not done[i] then
+    if a.marks[i].mode == 'order' then
+      if outcome == 'created' then
+        redis.call('SET', marker, order_mark(a.marks[i].tag), 'PX', a.retention)
+      end
+    elseif not done[i] then
       redis.call('SET', marker, marker_value(run_id, outcome, rerun_of, a.marks[i].tag),
         'PX', a.retention)
     end
   end
 end
 
--- Take back the markers this call placed or found stale (`placed`): it decided nothing.
+-- Take back the markers this call placed or found gone (`placed`): it decided nothing.
 local function unmark(k, placed)
   for i, marker in ipairs(k.markers) do
     if placed[i] then
@@ -227,8 +255,9 @@ end
 --    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
 --    resend ('1': this call may repeat one that ran, so look for the run a.id first),
 --    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
---    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated) or
---    'replay' (a body digest: a hit only when the tag, the event id, differs)
+--    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated),
+--    'replay' (a body digest: a hit only when the tag, the event id, differs) or
+--    'order' (an entity's mark: see stale_against; at most one, the last)
 -- now: server time in ms; now_us: in microseconds.
 -- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
 local function claim(k, a, now, now_us)
@@ -246,28 +275,42 @@ local function claim(k, a, now, now_us)
   -- marker with no tag of ours ('') is always a hit. An absent marker is placed at
   -- once as a new run of this call would have it (the usual end), and taken back
   -- if the call ends otherwise.
-  local placed, stale = {}, {}
+  local placed, gone, order = {}, {}, nil
   for i, marker in ipairs(k.markers) do
     local mode, tag = a.marks[i].mode, a.marks[i].tag
-    local m = place_marker(marker, marker_value(a.id, 'created', '', tag), a.retention)
-    if not m then
-      placed[i] = true
-    elseif m[1] and (mode ~= 'replay' or m[4] ~= tag) then
-      if a.mrun_id ~= m[1] then
-        unmark(k, placed)
-        return {'need_run', m[1], 'marker', '', '', '0'}
-      end
-      local r = redis.call('HMGET', k.mrun, 'phase', 'step')
-      if r[1] then
-        unmark(k, placed)
-        if mode == 'same' and m[2] == 'created' then
-          return {'created', m[1], r[1], r[2] or '', m[3] or '', '0'}
+    if mode == 'order' then
+      order = i  -- looked at once no marker decided: a redelivery is never stale
+    else
+      local m = place_marker(marker, marker_value(a.id, 'created', '', tag), a.retention)
+      if not m then
+        placed[i] = true
+      elseif m[1] and (mode ~= 'replay' or m[4] ~= tag) then
+        if a.mrun_id ~= m[1] then
+          unmark(k, placed)
+          return {'need_run', m[1], 'marker', '', '', '0'}
         end
-        return {'existing', m[1], r[1], r[2] or '', '', '0'}
+        local r = redis.call('HMGET', k.mrun, 'phase', 'step')
+        if r[1] then
+          unmark(k, placed)
+          if mode == 'same' and m[2] == 'created' then
+            return {'created', m[1], r[1], r[2] or '', m[3] or '', '0'}
+          end
+          return {'existing', m[1], r[1], r[2] or '', '', '0'}
+        end
+        -- The run it names is gone (deleted, evicted): the marker protects nothing.
+        -- This call's decision replaces it; a refusal deletes it.
+        gone[i] = true
       end
-      -- The run it names is gone (deleted, evicted): the marker protects nothing.
-      -- This call's decision replaces it; a refusal deletes it.
-      stale[i] = true
+    end
+  end
+
+  -- An ordered trigger: an event older than one that started a run for its entity
+  -- starts nothing (and cancels nothing, whatever the key's policies).
+  if order then
+    local newest = stale_against(k.markers[order], a.marks[order].tag)
+    if newest then
+      unmark(k, placed)
+      return {'stale', '', newest, '', '', '0'}
     end
   end
 
@@ -317,7 +360,7 @@ local function claim(k, a, now, now_us)
           mark(k, a, 'existing', cur_id, '', {})
         else
           unmark(k, placed)
-          unmark(k, stale)
+          unmark(k, gone)
         end
         return {refusal, cur_id, cur_phase, cur_step, '', mismatch}
       end
