@@ -145,6 +145,23 @@ def parse_config(
                     name=trigger.name,
                     field="order.key",
                 )
+            limit = trigger.rate_limit
+            if (
+                limit is not None
+                and (limit.key is None or limit.key.template != trigger.key.template)
+                and workflows[trigger.workflow].partitions > 1
+            ):
+                # A window sits in the slot of the claims that count in it: on a
+                # partitioned workflow, only the trigger's key keeps them in one.
+                raise ConfigError(
+                    file,
+                    f"rate_limit.key must be the trigger's key ({trigger.key.template}) on "
+                    f"workflow '{trigger.workflow}', which has partitions: one window's "
+                    "starts must be claimed in one partition",
+                    section="trigger",
+                    name=trigger.name,
+                    field="rate_limit.key",
+                )
             if trigger.path in RESERVED_PATHS or trigger.path.startswith(("/v1/", "/ui/")):
                 raise ConfigError(
                     file,

@@ -37,6 +37,7 @@ def add_delivery_tools(server: MCPServer[RunStore]) -> None:
         "first, one line per delivery: id, time, status, path, the reply's error code if "
         "any, and each trigger's outcome (started, deduplicated, refused, ignored, "
         "unverified, stale (an ordered trigger's event older than one already started), "
+        "rate_limited (past its trigger's rate limit), "
         "or accepted: kept in the spool while Redis could not take it, its "
         "claims not yet made). Filter by "
         "path, status (202 or a class like 4xx), outcome, since. When there may be more, "

@@ -304,7 +304,8 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
             "responses": {
                 "202": _response("a run started", {"type": "object"}),
                 "200": _response("deduplicated, refused by policy, stale (older than an event "
-                                 "already started for its entity), or ignored",
+                                 "already started for its entity), rate_limited, or "
+                                 "ignored",
                                  {"type": "object"}),
                 "400": _response("body not parseable", _ERROR),
                 "401": _response("signature missing or wrong", _ERROR),

@@ -24,7 +24,7 @@ from gateway.signatures.spec import VerifySpec
 from gateway.signatures.verify import verify
 from gateway.store.runs import StartResult, canonical_params, check_key, fingerprint_of
 from gateway.store.runstore import RunStore
-from gateway.store.starts import STATE_EVENT_STALE, Marker
+from gateway.store.starts import STATE_EVENT_STALE, STATE_RATE_LIMITED, Marker
 
 RETRY_AFTER_SECONDS = 5
 
@@ -339,7 +339,8 @@ async def _preview(
             fingerprint_for(trigger, body_digest)
             or fingerprint_of(canonical_params(extracted.params)),
             markers=markers_for(
-                store, trigger, extracted.event_id, body_digest, extracted.order
+                store, trigger, extracted.event_id, body_digest, extracted.order,
+                extracted.rate_window,
             ),
         )  # fmt: skip
     except StoreUnavailable as exc:
@@ -361,6 +362,7 @@ def markers_for(
     event_id: str,
     body_digest: str,
     order: OrderValue | None = None,
+    window: str | None = None,
 ) -> list[Marker]:
     """What this delivery's claim must also answer for (one piece of work, one run).
 
@@ -381,6 +383,7 @@ def markers_for(
     An ordered trigger's event always has its marker (its redelivery gets the run it
     got, before the order is looked at: an event that started a run is never stale
     later), and the order's own, last: the entity's mark, which the claim compares.
+    A rate-limited trigger's window comes last of all (``window``: its name).
     """
     markers: list[Marker] = []
     sender_id = not (trigger.event_id.missing == "content_hash" and event_id == body_digest)
@@ -395,16 +398,22 @@ def markers_for(
                 order.entity, order.number, order.rank, trigger.order.ties, order.text
             )
         )
+    if window is not None:
+        assert trigger.rate_limit is not None
+        limit = trigger.rate_limit
+        markers.append(store.rate_marker(trigger.name, window, limit.limit, limit.period_ms))
     return markers
 
 
 def _markers(
     store: RunStore, trigger: Trigger, extracted: Extracted, body_digest: str, rerun: bool
 ) -> list[Marker]:
-    # A rerun starts a new run whatever a marker (or the order) would say.
+    # A rerun starts a new run whatever a marker, the order or a rate limit would say.
     if rerun:
         return []
-    return markers_for(store, trigger, extracted.event_id, body_digest, extracted.order)
+    return markers_for(
+        store, trigger, extracted.event_id, body_digest, extracted.order, extracted.rate_window
+    )
 
 
 def fingerprint_for(trigger: Trigger, body_digest: str) -> str | None:
@@ -433,9 +442,13 @@ def _claimed(result: TriggerResult, started: StartResult) -> None:
         result.outcome, result.status = "started", 202
 
 
+_OUTCOMES_OF = {STATE_EVENT_STALE: "stale", STATE_RATE_LIMITED: "rate_limited"}
+
+
 def _refuse(result: TriggerResult, error: RealmError) -> None:
-    # A stale event is its own outcome: nothing is wrong with it, it came too late.
-    result.outcome = "stale" if error.code == STATE_EVENT_STALE else "refused"
+    # A stale or rate-limited event is its own outcome: nothing is wrong with it, it
+    # came too late, or too soon.
+    result.outcome = _OUTCOMES_OF.get(error.code, "refused")
     result.code = error.code
     result.message = error.message
     result.status = refusal_status(error.code)

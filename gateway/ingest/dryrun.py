@@ -73,7 +73,7 @@ def _entry(reply: Reply, step: TriggerResult) -> dict[str, Any]:
         return entry
     if step.key is not None:
         entry.update(event_id=step.event_id, key=step.key, params=step.params)
-    if step.outcome in ("refused", "stale"):
+    if step.outcome in ("refused", "stale", "rate_limited"):
         entry["result"] = f"{step.status}: {step.code}: {step.message}"
     elif step.outcome == "unknown":
         entry["result"] = f"claim unknown: {step.message}"

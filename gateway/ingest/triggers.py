@@ -27,9 +27,11 @@ from gateway.ingest.idempotency import (
     compile_key,
 )
 from gateway.ingest.jsonpath import Path, compile_path
+from gateway.ingest.limits import RateLimitSpec
 from gateway.ingest.ordering import TIES, OrderSpec, OrderValue, Rank
 from gateway.ingest.params import ParamError, ParamsSpec, compile_params
 from gateway.ingest.values import HeaderLookup
+from gateway.model.config import parse_retention
 from gateway.model.errors import ConfigError
 from gateway.model.words import noun, plural
 from gateway.signatures.parse import parse_verify
@@ -64,7 +66,9 @@ FIELDS = (
     "on_params_mismatch",
     "replay_guard",
     "order",
+    "rate_limit",
 )
+_RATE_FIELDS = ("limit", "period", "key")
 _ORDER_FIELDS = ("by", "key", "ties", "rank")
 _RANK_FIELDS = ("by", "order")
 _REQUIRED = ("workflow", "path", "verify", "event_id")
@@ -84,6 +88,7 @@ class Extracted:
     key: str
     params: dict[str, object]
     order: OrderValue | None = None
+    rate_window: str | None = None  # the rate limit's window ('' the trigger's own)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class Trigger:
     replay_guard: bool = False
     # Refuse an event older than one already started for its entity (docs/triggers.md).
     order: OrderSpec | None = None
+    # Start at most so many runs per period, per value of a key (docs/triggers.md).
+    rate_limit: RateLimitSpec | None = None
 
     @functools.cached_property
     def headers_read(self) -> frozenset[str]:
@@ -120,6 +127,9 @@ class Trigger:
         names.update(str(src).lower() for _, kind, src in self.params.entries if kind == "header")
         if self.order is not None:
             names.update(h.lower() for h in self._order_headers())
+        if self.rate_limit is not None and self.rate_limit.key is not None:
+            parts = self.rate_limit.key.parts
+            names.update(str(ref).lower() for kind, _, ref, _ in parts if kind == "header")
         return frozenset(names)
 
     def _order_headers(self) -> Iterator[str]:
@@ -146,11 +156,14 @@ class Trigger:
     def extract(self, headers: HeaderLookup, doc: object, body: bytes) -> Extracted:
         """Event id, key and params. Raises ExtractError (VALIDATION_EVENT_ID)."""
         order: OrderValue | None = None
+        window: str | None = None
         try:
             event_id = self.event_id.resolve(headers, doc, body)
             key = self.key.render(headers, doc, event_id)
             if self.order is not None:
                 order = self.order.resolve(headers, doc, event_id, key)
+            if self.rate_limit is not None:
+                window = self.rate_limit.window(headers, doc, event_id)
         except InexactNumber:
             # An integer beyond 64 bits, rounded by the fast parse, would let two
             # neighbouring ids share a key: read the body again, exactly (rare).
@@ -162,7 +175,9 @@ class Trigger:
             key = self.key.render(headers, exact, event_id, exact=True)
             if self.order is not None:
                 order = self.order.resolve(headers, exact, event_id, key, exact=True)
-        return Extracted(event_id, key, self.params.extract(headers, doc), order)
+            if self.rate_limit is not None:
+                window = self.rate_limit.window(headers, exact, event_id, exact=True)
+        return Extracted(event_id, key, self.params.extract(headers, doc), order, window)
 
     @functools.cached_property
     def reads_json(self) -> bool:
@@ -180,6 +195,8 @@ class Trigger:
             yield from (p for p in (order.path, order.rank and order.rank.path) if p is not None)
             if order.entity is not None:
                 yield from (ref for kind, _, ref, _ in order.entity.parts if kind == "path")  # type: ignore[misc]
+        if self.rate_limit is not None and self.rate_limit.key is not None:
+            yield from (ref for kind, _, ref, _ in self.rate_limit.key.parts if kind == "path")  # type: ignore[misc]
 
 
 def describe_event_id(t: Trigger) -> str:
@@ -312,7 +329,30 @@ class _TriggerParser:
             on_params_mismatch=self.choice(raw, "on_params_mismatch", ON_PARAMS_MISMATCH),
             replay_guard=self.replay_guard(raw),
             order=self.order(raw["order"]) if "order" in raw else None,
+            rate_limit=self.rate_limit(raw["rate_limit"]) if "rate_limit" in raw else None,
         )
+
+    def rate_limit(self, raw: object) -> RateLimitSpec:
+        if not isinstance(raw, dict):
+            self.fail(
+                "rate_limit",
+                "must be a mapping such as {limit: 100, period: 1m, key: "
+                f"'{{$.repository.full_name}}'}}, not {_kind(raw)}",
+            )
+        self.check_fields(raw, _RATE_FIELDS, prefix="rate_limit.")
+        limit = raw.get("limit")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            self.fail(
+                "rate_limit.limit", f"must be a whole number of runs, 1 or more, not {_show(limit)}"
+            )
+        if "period" not in raw:
+            self.fail("rate_limit.period", "is required: a duration like 1m, 1h or 1d")
+        try:
+            period_ms = parse_retention(raw["period"])
+        except ValueError as exc:
+            self.fail("rate_limit.period", str(exc))
+        key = self.key(raw["key"], "rate_limit.key") if "key" in raw else None
+        return RateLimitSpec(limit, period_ms, key)
 
     def order(self, raw: object) -> OrderSpec:
         if not isinstance(raw, dict):

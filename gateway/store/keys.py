@@ -92,6 +92,11 @@ class Keys:
         for an entity of an ordered trigger's workflow (kept for its retention)."""
         return f"{self._base}:order:{entity}"
 
+    def rate(self, trigger: str, window: str) -> str:
+        """Sorted set: the runs a trigger's rate limit let start in one window (a value
+        of its key; '' the trigger's own), by start time (ms), for one period."""
+        return f"{self._base}:rate:{len(trigger)}:{trigger}:{window}"
+
     def request(self, request_id: str) -> str:
         """String: the outcome of an API or MCP start with this request id, for its retry."""
         return f"{self._base}:request:{request_id}"

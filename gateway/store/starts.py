@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +47,8 @@ from gateway.store.runs import (
 # A delivery older than one that already started a run for its entity (an ordered
 # trigger's refusal, stored as nothing: the entity's mark only moves forward).
 STATE_EVENT_STALE = "STATE_EVENT_STALE"
+# A start a trigger's rate limit turned away (nothing stored: a later delivery may start).
+STATE_RATE_LIMITED = "STATE_RATE_LIMITED"
 
 # Script calls one start may make: each `need_run` reply names a run the next call
 # must pass, and a concurrent start on the same key can move it again in between.
@@ -75,8 +78,9 @@ class _Sends:
 class Marker:
     """A marker key a start reads and writes in its claim (see start_run.lua): ``mode``
     is ``same`` (a request id), ``dedupe`` (an event id), ``replay`` (a body digest,
-    tagged with the event id it came with) or ``order`` (an entity's mark, tagged with
-    the delivery's order: ``number rank ties text``)."""
+    tagged with the event id it came with), ``order`` (an entity's mark, tagged with
+    the delivery's order: ``number rank ties text``) or ``rate`` (a rate limit's
+    window, tagged ``limit period_ms``)."""
 
     name: Callable[[Keys], str]  # the marker's key, in the claim's partition
     mode: str
@@ -197,9 +201,9 @@ class RunStarts(StoreBase):
                 raise StoreUnavailable(
                     f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
                 )
-        order = next((m.tag for m in markers if m.mode == "order"), "")
+        tags = {m.mode: m.tag for m in markers}
         return _start_result(
-            workflow, idempotency_key, on_live_match, on_terminal_match, reply, order
+            workflow, idempotency_key, on_live_match, on_terminal_match, reply, tags
         )
 
     def event_marker(self, workflow: str, trigger: str, event_id: str) -> Marker:
@@ -218,6 +222,12 @@ class RunStarts(StoreBase):
         highest that started a run for ``entity`` (or equal, with ``ties: refuse``) is
         refused as stale (STATE_EVENT_STALE); one that starts a run moves the mark."""
         return Marker(lambda k: k.order(entity), "order", f"{number!r} {rank} {ties} {text}")
+
+    def rate_marker(self, trigger: str, window: str, limit: int, period_ms: int) -> Marker:
+        """A trigger's rate limit: a start that would start a run while ``limit`` runs
+        started in ``window`` within the last ``period_ms`` is refused
+        (STATE_RATE_LIMITED); one that starts a run is counted."""
+        return Marker(lambda k: k.rate(trigger, window), "rate", f"{limit} {period_ms}")
 
     async def start_run_batch(
         self,
@@ -385,6 +395,9 @@ class RunStarts(StoreBase):
                     if held is not None and _stale(marker.tag, text_of(held)):
                         raise _stale_error(workflow, marker.tag, text_of(held).split(" ", 2)[2])
                     continue
+                if marker.mode == "rate":
+                    await self._preview_rate(workflow, marker, keys)
+                    continue
                 run, tag = await self._retrying(lambda m=marker: self._read_marker(m.name(keys)))
                 if run is None or (marker.mode == "replay" and tag == marker.tag):
                     continue
@@ -404,6 +417,21 @@ class RunStarts(StoreBase):
             decide(state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint),
             state,
         )
+
+    async def _preview_rate(self, workflow: str, marker: Marker, keys: Keys) -> None:
+        """Raise what the claim would if ``marker``'s window is full now (by this
+        machine's clock, where the claim uses the server's: a preview)."""
+        limit, period_ms = (int(x) for x in marker.tag.split(" "))
+        now_ms = int(time.time() * 1000)
+        name = marker.name(keys)
+        started = await self._retrying(
+            lambda: self.redis.zrangebyscore(
+                name, f"({now_ms - period_ms}", "+inf", withscores=True
+            )
+        )
+        if len(started) >= limit:
+            wait_ms = max(int(started[0][1]) + period_ms - now_ms, 1)
+            raise _rate_error(workflow, marker.tag, wait_ms)
 
     async def _read_marker(self, name: str) -> tuple[str | None, str]:
         """A marker's run and tag (see start_run.lua): a string, or a hash written by
@@ -442,19 +470,39 @@ def _stale_error(workflow: str, tag: str, newest: str) -> RealmError:
     )
 
 
+def _rate_error(workflow: str, tag: str, wait_ms: int) -> RealmError:
+    limit, period_ms = tag.split(" ")
+    return RealmError(
+        STATE_RATE_LIMITED,
+        f"Rate limit for workflow '{workflow}': {plural(int(limit), 'run')} per "
+        f"{_duration(int(period_ms))} already started for this key; the next may start in "
+        f"{max(wait_ms / 1000, 0.001):g} s. Nothing was started.",
+    )
+
+
+def _duration(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms} ms"
+
+
 def _start_result(
     workflow: str,
     key: str | None,
     on_live_match: str,
     on_terminal_match: str,
     reply: list[Any],
-    order: str = "",
+    tags: Mapping[str, str] | None = None,
 ) -> StartResult:
     # Every element is a Lua string, so bytes.
     outcome, run_id, phase, step, rerun_of, mismatch = (x.decode() for x in reply)
     if outcome == "stale":
         # `phase` holds the text of the entity's mark as the script read it.
-        raise _stale_error(workflow, order, phase)
+        raise _stale_error(workflow, (tags or {})["order"], phase)
+    if outcome == "rate_limited":
+        # `phase` holds the ms until the window has room.
+        raise _rate_error(workflow, (tags or {})["rate"], int(float(phase)))
     if outcome == "created":
         superseded_by = None
         if rerun_of:

@@ -211,6 +211,20 @@ local function stale_against(mark_key, tag)
   return htext
 end
 
+-- A rate limit's window (marker mode 'rate', tag 'limit period_ms'): a sorted set of
+-- the runs it let start, scored by their start (ms). Entries a period old leave first.
+-- The ms until the window has room when it is full, else nil.
+local function window_full(window, tag, now)
+  local limit, period = string.match(tag, '^(%d+) (%d+)$')
+  limit, period = tonumber(limit), tonumber(period)
+  redis.call('ZREMRANGEBYSCORE', window, '-inf', now - period)
+  if redis.call('ZCARD', window) < limit then
+    return nil
+  end
+  local oldest = redis.call('ZRANGE', window, 0, 0, 'WITHSCORES')
+  return math.max(tonumber(oldest[2]) + period - now, 1)
+end
+
 -- The entity's mark once a run started: the delivery's number, rank and text.
 local function order_mark(tag)
   local n, r, text = string.match(tag, '^(%S+) (%S+) %S+ (.*)$')
@@ -223,9 +237,16 @@ end
 -- entity's order mark moves only when a run starts.
 local function mark(k, a, outcome, run_id, rerun_of, done)
   for i, marker in ipairs(k.markers) do
-    if a.marks[i].mode == 'order' then
+    local mode = a.marks[i].mode
+    if mode == 'order' then
       if outcome == 'created' then
         redis.call('SET', marker, order_mark(a.marks[i].tag), 'PX', a.retention)
+      end
+    elseif mode == 'rate' then
+      if outcome == 'created' then
+        local period = string.match(a.marks[i].tag, ' (%d+)$')
+        redis.call('ZADD', marker, a.now, run_id)
+        redis.call('PEXPIRE', marker, period)
       end
     elseif not done[i] then
       redis.call('SET', marker, marker_value(run_id, outcome, rerun_of, a.marks[i].tag),
@@ -257,7 +278,8 @@ end
 --    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
 --    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated),
 --    'replay' (a body digest: a hit only when the tag, the event id, differs) or
---    'order' (an entity's mark: see stale_against; at most one, the last)
+--    'order' (an entity's mark: see stale_against) or 'rate' (a rate limit's window:
+--    see window_full); at most one of each, after the others
 -- now: server time in ms; now_us: in microseconds.
 -- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
 local function claim(k, a, now, now_us)
@@ -275,11 +297,14 @@ local function claim(k, a, now, now_us)
   -- marker with no tag of ours ('') is always a hit. An absent marker is placed at
   -- once as a new run of this call would have it (the usual end), and taken back
   -- if the call ends otherwise.
-  local placed, gone, order = {}, {}, nil
+  local placed, gone, order, rate = {}, {}, nil, nil
+  a.now = now
   for i, marker in ipairs(k.markers) do
     local mode, tag = a.marks[i].mode, a.marks[i].tag
     if mode == 'order' then
       order = i  -- looked at once no marker decided: a redelivery is never stale
+    elseif mode == 'rate' then
+      rate = i  -- looked at once the claim is about to start a run
     else
       local m = place_marker(marker, marker_value(a.id, 'created', '', tag), a.retention)
       if not m then
@@ -314,7 +339,7 @@ local function claim(k, a, now, now_us)
     end
   end
 
-  local rerun_of = ''
+  local rerun_of, cancel = '', nil
   if k.pointer then
     local cur = redis.call('HMGET', k.pointer, 'run', 'phase', 'step', 'fp')
     local cur_id, cur_phase, cur_step = cur[1], cur[2], cur[3] or ''
@@ -345,7 +370,7 @@ local function claim(k, a, now, now_us)
           refusal = 'active'
         else
           -- cancel_existing: end the live run and start the new one right here.
-          end_run(k.cur, cur_id, 'cancelled', now, a.retention, k.pointer, k.keyruns, k.stream)
+          cancel = cur_id
         end
       elseif a.on_terminal == 'reuse' then
         refusal = existing
@@ -366,6 +391,20 @@ local function claim(k, a, now, now_us)
       end
       rerun_of = cur_id
     end
+  end
+
+  -- A rate limit: a full window starts nothing (and cancels nothing). Nothing is
+  -- recorded of the delivery: its redelivery, once the window has room, may start.
+  if rate then
+    local wait_ms = window_full(k.markers[rate], a.marks[rate].tag, now)
+    if wait_ms then
+      unmark(k, placed)
+      unmark(k, gone)
+      return {'rate_limited', '', tostring(wait_ms), '', '', '0'}
+    end
+  end
+  if cancel then
+    end_run(k.cur, cancel, 'cancelled', now, a.retention, k.pointer, k.keyruns, k.stream)
   end
 
   local first = a.first

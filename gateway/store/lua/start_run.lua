@@ -10,7 +10,7 @@ KEYS[6]  run hash the pointer names, after a `need_run` reply named it  (else KE
 KEYS[7]  run hash a marker names, after a `need_run` reply named it     (else KEYS[1])
 KEYS[8]  index of the workflow's keys (zset, by last claim)  realm:{wf}:keys
 KEYS[9…] markers (strings): realm:{wf}:event:…, realm:{wf}:body:…, realm:{wf}:request:…,
-         realm:{wf}:order:<entity>
+         realm:{wf}:order:<entity>, realm:{wf}:rate:<n>:<trigger>:<window>
 
 ARGV[1] new run id (chosen by the caller)   ARGV[2] workflow
 ARGV[3] idempotency key ('' = none)         ARGV[4] params (canonical JSON)
@@ -24,7 +24,7 @@ ARGV[12] run id KEYS[6] is the hash of ('' = none)
 ARGV[13] run id KEYS[7] is the hash of ('' = none)
 ARGV[14] '1' when this call may be a resend of one that ran (its reply lost, or a run
          id the caller chose): only then is KEYS[1] looked at, the caller-id check
-then 2 per marker: mode (same | dedupe | replay | order), tag
+then 2 per marker: mode (same | dedupe | replay | order | rate), tag
 
 Reply: {outcome, run_id, phase, step, rerun_of, params_mismatch ('1' | '0')}
   created      ARGV[1] was started now, or by an earlier try of this same call
@@ -37,6 +37,8 @@ Reply: {outcome, run_id, phase, step, rerun_of, params_mismatch ('1' | '0')}
   conflict     refused, STATE_IDEMPOTENCY_KEY_CONFLICT (params differ, on_params_mismatch = reject)
   stale        refused, STATE_EVENT_STALE: an event of the same entity that is not older
                started a run (phase holds the entity's mark); nothing written
+  rate_limited refused, STATE_RATE_LIMITED: the trigger's rate limit window is full
+               (phase holds the ms until it has room); nothing written
   need_run     nothing written: call again naming run_id's hash; phase says which slot:
                'pointer' (KEYS[6], ARGV[12]) or 'marker' (KEYS[7], ARGV[13]). Keys are
                never built here
