@@ -121,7 +121,7 @@ def test_a_wrong_rate_limit_is_refused_naming_its_field(spec: str, field: str, r
     raw = yaml.safe_load(BASE + f"  rate_limit: {spec}\n")
     with pytest.raises(ConfigError) as refused:
         parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert field in str(refused.value) and reason in str(refused.value)
+    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
 
 
 def test_a_window_apart_from_the_key_needs_one_partition() -> None:
