@@ -171,10 +171,30 @@ def parse_config(
                     name=trigger.name,
                     field="path",
                 )
+    if with_triggers:
+        _check_ingress(settings.ingress, triggers, file)
     version = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     return Config(
         file=file, workflows=workflows, settings=settings, triggers=triggers, version=version
     )
+
+
+def _check_ingress(
+    ingress: Mapping[str, object], triggers: Mapping[str, Trigger], file: str
+) -> None:
+    """Each path of ``settings.ingress`` is one a trigger serves: a limit on a path
+    nothing serves would never apply, most likely a typo that leaves the real path open."""
+    served = sorted({trigger.path for trigger in triggers.values()})
+    for path in ingress:
+        if path not in served:
+            known = ", ".join(served) or "none"
+            raise ConfigError(
+                file,
+                f"no trigger serves {clip(path, 100)}{did_you_mean(path, served)}; "
+                f"the triggers' paths: {clip(known)}",
+                section="settings",
+                field=f"ingress.{clip(path, 100)}",
+            )
 
 
 def _check_handlers(workflows: Mapping[str, Workflow], file: str, triggers: object) -> None:

@@ -17,10 +17,12 @@ import redis as redis_sync
 from gateway.link.connection import BadRedisUrl, check_redis_url, redact_url, redis_client
 from gateway.loading import parse_config
 from gateway.model.config import Config
-from gateway.model.errors import StoreUnavailable
+from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.store.reconcile import count_runs, reconcile
+from gateway.store.runs import Flow, StartResult
 from gateway.store.runstore import RunStore
-from gateway.store.sweep import sweep
+from gateway.store.starts import Marker
+from gateway.store.sweep import start_due, sweep
 from tests.cluster import Cluster, ClusterNode, key_slot
 from tests.conftest import WORKFLOWS_YAML
 from tests.listener import Listener
@@ -423,3 +425,55 @@ async def test_the_delivery_log_records_and_pages_in_one_slot(
         assert (await get_delivery(store, newest[0]))["status"] == 202
     finally:
         await client.aclose()
+
+
+async def test_queues_schedules_order_and_rate_keys_meet_in_one_slot_on_the_cluster(
+    cluster_store: RunStore,
+) -> None:
+    """Each claim's new keys (a key's queue, the queued and due indexes, an entity's
+    order mark, a rate window) are in its partition's slot: on a partitioned workflow
+    spread over the primaries, queues start their next runs, due runs start, stale
+    events are refused and windows fill, per key."""
+    store = cluster_store
+    keys = [f"k{n}" for n in range(8)]
+    first = {k: await store.start_run("hot", {}, k, "queue", "rerun") for k in keys}
+    behind = {k: await store.start_run("hot", {}, k, "queue", "rerun") for k in keys}
+    assert {r.phase for r in behind.values()} == {"queued"}
+    for k in keys:
+        await store.complete_step(first[k].run_id, "go")
+        assert (await store.get_run(behind[k].run_id)).phase == "running"
+    assert await store.cancel_key("hot", keys[0]) == 1
+
+    flow = Flow(debounce_ms=1, max_wait_ms=0)
+    scheduled = [
+        await store.start_run("hot", {"n": n}, f"d{n}", "use_existing", "rerun", flow=flow)
+        for n in range(8)
+    ]
+    assert {s.phase for s in scheduled} == {"scheduled"}
+    started = 0
+    for _ in range(100):
+        started += await start_due(store, "hot")
+        if started == 8:
+            break
+    assert started == 8
+    assert {(await store.get_run(s.run_id)).phase for s in scheduled} == {"running"}
+
+    # An entity's mark and a key's window live in the key's partition: on a partitioned
+    # workflow the entity is the key.
+    for n in range(8):
+        entity = f"cus_{n}"
+
+        async def again(marker: Marker, entity: str = entity) -> StartResult:
+            return await store.start_run(
+                "hot", {}, entity, "cancel_existing", "rerun", markers=[marker]
+            )
+
+        await again(store.order_marker(entity, 2.0, 0, "accept", "2"))
+        with pytest.raises(RealmError) as stale:
+            await again(store.order_marker(entity, 1.0, 0, "accept", "1"))
+        assert stale.value.code == "STATE_EVENT_STALE"
+        window = store.rate_marker("t", entity, 1, 60_000)
+        await again(window)
+        with pytest.raises(RealmError) as limited:
+            await again(window)
+        assert limited.value.code == "STATE_RATE_LIMITED"

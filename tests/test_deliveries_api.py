@@ -243,9 +243,8 @@ def test_filters_by_path_status_outcome_and_since(
         ({"status": "20"}, "status must be an HTTP status like 202 or a class like 4xx (got '20')"),
         (
             {"outcome": "lost"},
-            "outcome must be one of started, deduplicated, refused, stale, rate_limited, ignored, "
-            "unverified, "
-            "accepted (got 'lost')",
+            "outcome must be one of started, queued, scheduled, deduplicated, refused, stale, "
+            "rate_limited, ignored, unverified, accepted (got 'lost')",
         ),
         ({"path": "hooks/git"}, "path must start with '/' (got 'hooks/git')"),
         (

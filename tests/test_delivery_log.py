@@ -306,9 +306,8 @@ async def test_filters_select_by_path_status_outcome_and_time(log_store: RunStor
         ({"status": "2x"}, "status must be an HTTP status like 202 or a class like 4xx (got '2x')"),
         (
             {"outcome": "lost"},
-            "outcome must be one of started, deduplicated, refused, stale, rate_limited, ignored, "
-            "unverified, "
-            "accepted (got 'lost')",
+            "outcome must be one of started, queued, scheduled, deduplicated, refused, stale, "
+            "rate_limited, ignored, unverified, accepted (got 'lost')",
         ),
         ({"path": "hooks"}, "path must start with '/' (got 'hooks')"),
     ]:

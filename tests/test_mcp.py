@@ -61,7 +61,7 @@ async def test_lists_the_eight_tools_with_typed_arguments(connect: Callable[...,
     start = by_name["start_run"].input_schema
     assert start["required"] == ["workflow_id"]
     props = start["properties"]
-    assert props["on_live_match"]["enum"] == ["use_existing", "fail", "cancel_existing"]
+    assert props["on_live_match"]["enum"] == ["use_existing", "fail", "cancel_existing", "queue"]
     assert props["on_live_match"]["default"] == "use_existing"
     assert props["on_terminal_match"]["enum"] == ["reuse", "reject", "rerun_if_failed", "rerun"]
     assert props["on_terminal_match"]["default"] == "reuse"
@@ -75,7 +75,7 @@ async def test_lists_the_eight_tools_with_typed_arguments(connect: Callable[...,
     assert {"lease", "output"} <= set(by_name["complete_step"].input_schema["properties"])
     assert {"lease", "retry", "step"} <= set(by_name["fail_run"].input_schema["properties"])
     assert by_name["list_runs"].input_schema["properties"]["phase"]["anyOf"][0]["enum"] == [
-        "running", "completed", "failed", "cancelled",
+        "running", "completed", "failed", "cancelled", "queued", "scheduled",
     ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
+from gateway.store.scripts import SCRIPT_NAMES
 from tests.listener import Listener
 from tests.servers import RedisServer
 
@@ -21,7 +22,7 @@ WORKFLOWS, PARTITIONS = 5, 64
 CONFIG = "version: 1\nworkflows:\n" + "".join(
     f"  wf{i}:\n    steps: [only]\n    partitions: {PARTITIONS}\n" for i in range(WORKFLOWS)
 )
-SCRIPTS = 12  # gateway/store/scripts.py SCRIPT_NAMES
+SCRIPTS = len(SCRIPT_NAMES)
 
 
 @pytest.fixture

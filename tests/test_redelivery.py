@@ -71,6 +71,8 @@ async def test_redelivery_while_live_gets_its_own_run_whatever_the_policy(
         other = await start(store, "evt-B", live, terminal)
         if live == "use_existing":
             assert (other.run_id, other.deduped) == (first.run_id, True)
+        elif live == "queue":
+            assert (other.phase, other.deduped, other.rerun_of) == ("queued", False, None)
         else:
             assert other.rerun_of == first.run_id and not other.deduped
     # ...and a redelivery of the first event still gets exactly its own run.
@@ -81,7 +83,10 @@ async def test_redelivery_while_live_gets_its_own_run_whatever_the_policy(
     if other is not None and live == "cancel_existing":
         # The replacement was not cancelled by the redelivery.
         assert (await store.get_run(other.run_id)).phase == "running"
-    assert await run_count(store) == (2 if live == "cancel_existing" else 1)
+    if other is not None and live == "queue":
+        # Still waiting: the redelivery neither started nor moved it.
+        assert (await store.get_run(other.run_id)).phase == "queued"
+    assert await run_count(store) == (2 if live in ("cancel_existing", "queue") else 1)
 
 
 @pytest.mark.parametrize(("live", "terminal"), list(itertools.product(LIVE_MATCH, TERMINAL_MATCH)))

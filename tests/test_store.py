@@ -11,13 +11,15 @@ from redis.asyncio import Redis
 
 from gateway.deliveries.log import Received, list_deliveries, write_records
 from gateway.ingest.delivery import error_reply
-from gateway.model.config import Config
+from gateway.model.config import Config, IngressLimit
 from gateway.model.errors import RealmError
+from gateway.store.ingress import ingress_wait_us
 from gateway.store.keys import Keys
 from gateway.store.reconcile import reconcile
+from gateway.store.runs import Flow
 from gateway.store.runstore import RunStore
 from gateway.store.scripts import SCRIPT_NAMES
-from gateway.store.sweep import sweep
+from gateway.store.sweep import start_due, sweep
 
 KEYS = Keys("realm", "sync")
 
@@ -435,6 +437,11 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     a = await store.start_run("sync", {}, "k")
     await store.start_run("sync", {}, "k", on_live_match="cancel_existing")
     await store.start_run("sync", {})
+    q = await store.start_run("sync", {}, "q", on_live_match="queue")
+    await store.start_run("sync", {}, "q", on_live_match="queue")
+    await store.cancel_run(q.run_id)  # starts the queued one
+    await store.start_run("sync", {}, "d", flow=Flow(delay_ms=1))
+    await start_due(store, "sync")
     b = await store.start_run("deploy", {"repo": "o/r", "sha": "abcdef0"}, "{weird}:key")
     await store.complete_step(b.run_id, "fetch")
     await store.fail_run(b.run_id)
@@ -451,6 +458,7 @@ async def test_every_key_a_script_touches_shares_one_cluster_slot(
     await store.fail_step(taken.run_id, taken.step, "boom", lease=taken.lease)
     await write_records(store, store.config.settings, [_received()])
     await list_deliveries(store)
+    await ingress_wait_us(store, "/hooks/x", IngressLimit(count=1, period_ms=1_000, burst=1))
 
     assert {name for name, _ in seen} == set(SCRIPT_NAMES)
     for name, keys in seen:

@@ -286,7 +286,8 @@ def test_unknown_field_lists_allowed_fields() -> None:
     assert str(err) == (
         "triggers.yaml: trigger 't': field 'retries': unknown field; allowed fields: "
         "workflow, path, verify, when, event_id, key, params, on_live_match, "
-        "on_terminal_match, on_params_mismatch, replay_guard, order, rate_limit"
+        "on_terminal_match, on_params_mismatch, replay_guard, order, rate_limit, queue, "
+        "concurrency, debounce, delay"
     )
 
 

@@ -536,7 +536,9 @@ def test_runs_by_workflow_and_phase(ui: httpx.Client, api: httpx.Client):
         "Workflow &#x27;nope&#x27; is not defined in triggers.yaml (defined: deploy, single, sync)."
     )
     bad = ui.get("/ui/runs", params={"phase": "asleep"})
-    assert alert(bad) == "phase must be one of running, completed, failed, cancelled"
+    assert alert(bad) == (
+        "phase must be one of running, completed, failed, cancelled, queued, scheduled"
+    )
     bad = ui.get("/ui/runs", params={"cursor": "x"})
     assert alert(bad).startswith("cursor must be the value a previous page returned")
 

@@ -46,8 +46,8 @@ DELIVERY_ID = re.compile(r"dlv-[0-9a-f]{12}-[0-9a-f]{8}")
 # accepted: kept in a worker's spool, its claims not yet stored (then the outcome).
 # stale: an ordered trigger's event older than one that started a run for its entity.
 # rate_limited: past its trigger's rate limit; nothing recorded, a redelivery may start.
-OUTCOMES = ("started", "deduplicated", "refused", "stale", "rate_limited", "ignored",
-            "unverified", "accepted")  # fmt: skip
+OUTCOMES = ("started", "queued", "scheduled", "deduplicated", "refused", "stale",
+            "rate_limited", "ignored", "unverified", "accepted")  # fmt: skip
 
 
 @dataclass(frozen=True)

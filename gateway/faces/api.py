@@ -332,7 +332,12 @@ API_ROUTES: list[tuple[str, str, Handler, str]] = [
     ("/v1/workflows/{workflow}/runs", "POST", start, "Start a run, or return the key's run"),
     ("/v1/workflows/{workflow}/runs", "GET", list_runs, "List runs, newest first"),
     ("/v1/workflows/{workflow}/batch", "POST", start_batch, "Start several runs in one call"),
-    ("/v1/workflows/{workflow}/cancel", "POST", cancel_key, "Cancel the live run of a key"),
+    (
+        "/v1/workflows/{workflow}/cancel",
+        "POST",
+        cancel_key,
+        "Cancel the live, scheduled and queued runs of a key",
+    ),
     (
         "/v1/workflows/{workflow}/steps/claim",
         "POST",

@@ -35,7 +35,8 @@ def add_delivery_tools(server: MCPServer[RunStore]) -> None:
     @server.tool(
         description="List the delivery log (what the webhook listener answered), newest "
         "first, one line per delivery: id, time, status, path, the reply's error code if "
-        "any, and each trigger's outcome (started, deduplicated, refused, ignored, "
+        "any, and each trigger's outcome (started, queued (behind its key's live runs), "
+        "scheduled (debounce, delay), deduplicated, refused, ignored, "
         "unverified, stale (an ordered trigger's event older than one already started), "
         "rate_limited (past its trigger's rate limit), "
         "or accepted: kept in the spool while Redis could not take it, its "

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_RUNNER", "add_run_tools", "claim_text", "retry_text"]
 
 # Literal types, so that each tool's JSON schema lists the allowed values.
-LiveMatchArg = Literal["use_existing", "fail", "cancel_existing"]
+LiveMatchArg = Literal["use_existing", "fail", "cancel_existing", "queue"]
 TerminalMatchArg = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
 ParamsMismatchArg = Literal["flag", "reject"]
-PhaseArg = Literal["running", "completed", "failed", "cancelled"]
+PhaseArg = Literal["running", "completed", "failed", "cancelled", "queued", "scheduled"]
 
 # The consumer name claim_step reads with when the caller names none.
 DEFAULT_RUNNER = "mcp"
@@ -57,7 +57,8 @@ LiveMatch = Annotated[
     Field(
         description="A repeat while the key's run is live: use_existing returns it "
         "(deduped: true); fail refuses (STATE_RUN_ALREADY_ACTIVE); cancel_existing "
-        "cancels it and starts a new run.",
+        "cancels it and starts a new run; queue creates a run in phase 'queued' that "
+        "starts when the live run ends (STATE_QUEUE_FULL past 100 waiting).",
     ),
 ]
 TerminalMatch = Annotated[
@@ -213,9 +214,10 @@ def add_run_tools(server: MCPServer[RunStore]) -> None:
         return await run_tool(ctx, work)
 
     @server.tool(
-        description="Cancel a live run: give run_id, or workflow_id and idempotency_key "
-        "to cancel the live run of that key. Replies cancelled: 1, or cancelled: 0 when "
-        "the run had already ended (it is left as it is)."
+        description="Cancel a live, queued or scheduled run: give run_id, or workflow_id "
+        "and idempotency_key to cancel the runs of that key (its live run, a scheduled "
+        "one, and every run queued behind it). Replies cancelled: N, the runs cancelled; "
+        "0 when the run had already ended (it is left as it is)."
     )
     async def cancel_run(
         ctx: Context,

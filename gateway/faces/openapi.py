@@ -43,6 +43,7 @@ _START_REPLY = {
         "phase": {"enum": list(PHASES)},
         "next_step": {"type": ["string", "null"]},
         "params_mismatch": {"type": "boolean"},
+        "due_ms": {"type": "integer", "description": "a scheduled run's due time (server ms)"},
         "message": {"type": "string"},
     },
 }
@@ -61,6 +62,7 @@ _RUN = {
         "ended_ms": {"type": ["integer", "null"]},
         "rerun_of": {"type": ["string", "null"]},
         "error": {"type": ["string", "null"]},
+        "due_ms": {"type": "integer", "description": "a scheduled run's due time (server ms)"},
     },
 }
 _ITEM = {
@@ -215,8 +217,9 @@ _OK: dict[str, dict[str, Any]] = {
     "get_run": {"200": ("the run", _RUN)},
     "cancel_run": {"200": ("1 if the run was live", {
         "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
-    "cancel_key": {"200": ("1 if the key had a live run", {
-        "type": "object", "properties": {"cancelled": {"enum": [0, 1]}}})},
+    "cancel_key": {"200": ("the runs cancelled: the key's live run (runs, when it "
+                           "queues), a scheduled one and its queued ones; 0 when none", {
+        "type": "object", "properties": {"cancelled": {"type": "integer", "minimum": 0}}})},
     "claim_steps": {"200": ("the steps taken (none when nothing is ready)", {
         "type": "object",
         "properties": {"status": {"const": "ok"}, "steps": {"type": "array", "items": _TAKEN}}})},
@@ -302,7 +305,9 @@ def openapi_document(webhook_paths: list[str]) -> dict[str, Any]:
             "requestBody": {"content": {
                 "application/json": {}, "application/x-www-form-urlencoded": {}}},
             "responses": {
-                "202": _response("a run started", {"type": "object"}),
+                "202": _response("a run started, queued behind its key's live runs "
+                                 "(outcome queued) or scheduled (outcome scheduled: debounce, "
+                                 "delay; due_ms says when)", {"type": "object"}),
                 "200": _response("deduplicated, refused by policy, stale (older than an event "
                                  "already started for its entity), rate_limited, or "
                                  "ignored",

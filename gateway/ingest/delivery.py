@@ -22,9 +22,10 @@ from gateway.ingest.values import HeaderLookup
 from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.signatures.spec import VerifySpec
 from gateway.signatures.verify import verify
-from gateway.store.runs import StartResult, canonical_params, check_key, fingerprint_of
+from gateway.store.runs import WAITING, StartResult, canonical_params, check_key, fingerprint_of
 from gateway.store.runstore import RunStore
-from gateway.store.starts import STATE_EVENT_STALE, STATE_RATE_LIMITED, Marker
+from gateway.store.start_results import STATE_EVENT_STALE, STATE_RATE_LIMITED
+from gateway.store.starts import Marker
 
 RETRY_AFTER_SECONDS = 5
 
@@ -35,7 +36,8 @@ class TriggerResult:
 
     trigger: str
     workflow: str
-    # started | deduplicated | refused | ignored; in the walk only: unverified (its
+    # started | queued | scheduled | deduplicated | stale | rate_limited | refused |
+    # ignored; in the walk only: unverified (its
     # signature failed), and for a dry run previewed or unknown (Redis did not answer).
     outcome: str
     status: int
@@ -48,6 +50,7 @@ class TriggerResult:
     rerun_of: str | None = None
     phase: str | None = None
     next_step: str | None = None
+    due_ms: int | None = None  # a scheduled run's due time (server ms)
     # Each step's word on this trigger, for the views that say why (the delivery
     # log, the inspector page, `realm triggers test`): the signature ("ok", the
     # reason it failed, or None when not checked: a replay), whether `when` held
@@ -79,6 +82,8 @@ class TriggerResult:
         }
         if self.params_mismatch:
             out["params_mismatch"] = True
+        if self.due_ms is not None:
+            out["due_ms"] = self.due_ms
         return out
 
 
@@ -223,6 +228,8 @@ async def handle(
                 fingerprint=fingerprint_for(trigger, body_digest),
                 bounded=bounded,
                 markers=_markers(store, trigger, extracted, body_digest, rerun),
+                # A replay from the inspector starts now, whatever the trigger waits for.
+                flow=None if rerun else trigger.flow,
             )
             for _, trigger, extracted in claims
         ]
@@ -319,9 +326,14 @@ DECISIONS = {
     "active": "refuse: STATE_RUN_ALREADY_ACTIVE (run {run} is live)",
     "used": "refuse: STATE_IDEMPOTENCY_KEY_USED (run {run} ended as '{phase}')",
     "conflict": "refuse: STATE_IDEMPOTENCY_KEY_CONFLICT (run {run} has other params)",
+    "queue": "queue a new run behind the live runs of its key (run {run} is live)",
+    "queue_full": "refuse: STATE_QUEUE_FULL (the queue behind run {run} is full)",
+    "schedule": "schedule a new run (debounce, delay)",
+    "debounce": "give run {run} (scheduled) these params and push its due time (debounce)",
 }
 # The status a live claim's reply would carry for each decision (refusal_status's).
-DECISION_STATUS = {"start": 202, "rerun": 202, "conflict": 409}
+DECISION_STATUS = {"start": 202, "rerun": 202, "conflict": 409, "queue": 202, "schedule": 202,
+                   "debounce": 202}  # fmt: skip
 
 
 async def _preview(
@@ -342,6 +354,7 @@ async def _preview(
                 store, trigger, extracted.event_id, body_digest, extracted.order,
                 extracted.rate_window,
             ),
+            flow=trigger.flow,
         )  # fmt: skip
     except StoreUnavailable as exc:
         result.outcome, result.code, result.message = "unknown", exc.code, exc.message
@@ -435,9 +448,15 @@ def _claimed(result: TriggerResult, started: StartResult) -> None:
     result.rerun_of = started.rerun_of
     result.phase = started.phase
     result.next_step = started.next_step
+    result.due_ms = started.due_ms
     result.message = replies.start_sentence(started)
-    if started.deduped:
+    if started.debounced:
+        # It moved the key's scheduled run: this delivery's params are the ones it runs with.
+        result.outcome, result.status = "scheduled", 202
+    elif started.deduped:
         result.outcome, result.status = "deduplicated", 200
+    elif started.phase in WAITING:
+        result.outcome, result.status = started.phase, 202
     else:
         result.outcome, result.status = "started", 202
 

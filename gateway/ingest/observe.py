@@ -39,7 +39,8 @@ DELIVERIES = Counter(
 )  # fmt: skip
 OUTCOMES = Counter(
     "realm_trigger_outcomes_total",
-    "Per trigger of a delivery: started, deduplicated, refused or ignored",
+    "Per trigger of a delivery: started, queued, scheduled, deduplicated, stale, "
+    "rate_limited, refused or ignored",
     ["trigger", "workflow", "outcome"],
 )
 LATENCY = Histogram(

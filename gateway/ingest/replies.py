@@ -76,8 +76,18 @@ def _message(message: str) -> str:
 def start_sentence(result: StartResult) -> str:
     if result.phase == "running":
         after = f" Ready for the agent: '{shown(result.next_step or '-')}'."
+    elif result.phase == "queued":
+        after = " It waits behind the live runs of its idempotency key; no step is ready."
+    elif result.phase == "scheduled":
+        due = "" if result.due_ms is None else f" at {_utc(result.due_ms)}"
+        after = f" It is scheduled to start{due}; no step is ready."
     else:
         after = f" The run has ended ('{result.phase}'); no step is ready."
+    if result.debounced:
+        return (
+            f"Scheduled run '{result.run_id}' of workflow '{shown(result.workflow)}' takes "
+            f"these params, and waits again (debounce).{after}"
+        )
     if result.deduped:
         return (
             f"Matched existing run '{result.run_id}' (idempotent) in phase '{result.phase}'; "
@@ -90,6 +100,10 @@ def start_sentence(result: StartResult) -> str:
             f"({result.superseded_by}).{after}"
         )
     return f"Run '{result.run_id}' created for workflow '{shown(result.workflow)}'.{after}"
+
+
+def _utc(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def start_text(result: StartResult) -> str:
@@ -116,6 +130,7 @@ def start_json(result: StartResult) -> dict[str, Any]:
         "phase": result.phase,
         "next_step": result.next_step,
         "params_mismatch": result.params_mismatch,
+        **({"due_ms": result.due_ms} if result.due_ms is not None else {}),
         "message": start_sentence(result),
     }
 
@@ -197,6 +212,8 @@ def run_text(run: Run) -> str:
     ]
     if run.ended_ms:
         lines.append(f"Ended: {_ms(run.ended_ms)}")
+    if run.due_ms:
+        lines.append(f"Due: {_ms(run.due_ms)}")
     if run.rerun_of:
         lines.append(f"Rerun of: {run.rerun_of}")
     if run.error:

@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from gateway.ingest.body import BodyError, FormFields, parse_body
 from gateway.ingest.conditions import TESTS, Condition, compile_condition
+from gateway.ingest.flows import compile_flow
 from gateway.ingest.idempotency import (
     MISSING,
     VALIDATION_EVENT_ID,
@@ -33,10 +34,11 @@ from gateway.ingest.params import ParamError, ParamsSpec, compile_params
 from gateway.ingest.values import HeaderLookup
 from gateway.model.config import parse_retention
 from gateway.model.errors import ConfigError
-from gateway.model.words import noun, plural
+from gateway.model.words import noun, plural, shown_value, yaml_kind
 from gateway.signatures.parse import parse_verify
 from gateway.signatures.schemes import is_header_name
 from gateway.signatures.spec import VerifySpec
+from gateway.store.runs import Flow
 
 __all__ = [
     "ON_LIVE_MATCH",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 # The policies on a repeated key; the first value of each is the default.
-ON_LIVE_MATCH = ("use_existing", "fail", "cancel_existing")
+ON_LIVE_MATCH = ("use_existing", "fail", "cancel_existing", "queue")
 ON_TERMINAL_MATCH = ("reuse", "reject", "rerun_if_failed", "rerun")
 ON_PARAMS_MISMATCH = ("flag", "reject")
 
@@ -67,6 +69,10 @@ FIELDS = (
     "replay_guard",
     "order",
     "rate_limit",
+    "queue",
+    "concurrency",
+    "debounce",
+    "delay",
 )
 _RATE_FIELDS = ("limit", "period", "key")
 _ORDER_FIELDS = ("by", "key", "ties", "rank")
@@ -112,6 +118,9 @@ class Trigger:
     order: OrderSpec | None = None
     # Start at most so many runs per period, per value of a key (docs/triggers.md).
     rate_limit: RateLimitSpec | None = None
+    # How a start waits: behind its key's live runs (queue, concurrency), or until a due
+    # time (debounce, delay); None: it starts at once or not at all (docs/triggers.md).
+    flow: Flow | None = None
 
     @functools.cached_property
     def headers_read(self) -> frozenset[str]:
@@ -214,7 +223,7 @@ def parse_triggers(
     if not isinstance(raw, dict):
         raise ConfigError(
             file,
-            f"must be a mapping of trigger name → trigger, not {_kind(raw)}",
+            f"must be a mapping of trigger name → trigger, not {yaml_kind(raw)}",
             section="triggers",
         )
     triggers: dict[str, Trigger] = {}
@@ -303,7 +312,7 @@ class _TriggerParser:
     def parse(self, raw: object) -> Trigger:
         if not isinstance(raw, dict):
             self.fail(
-                None, f"must be a mapping with fields {', '.join(_REQUIRED)}, not {_kind(raw)}"
+                None, f"must be a mapping with fields {', '.join(_REQUIRED)}, not {yaml_kind(raw)}"
             )
         self.check_fields(raw, FIELDS, prefix="")
         for required in _REQUIRED:
@@ -330,6 +339,7 @@ class _TriggerParser:
             replay_guard=self.replay_guard(raw),
             order=self.order(raw["order"]) if "order" in raw else None,
             rate_limit=self.rate_limit(raw["rate_limit"]) if "rate_limit" in raw else None,
+            flow=compile_flow(self, raw),
         )
 
     def rate_limit(self, raw: object) -> RateLimitSpec:
@@ -337,13 +347,14 @@ class _TriggerParser:
             self.fail(
                 "rate_limit",
                 "must be a mapping such as {limit: 100, period: 1m, key: "
-                f"'{{$.repository.full_name}}'}}, not {_kind(raw)}",
+                f"'{{$.repository.full_name}}'}}, not {yaml_kind(raw)}",
             )
         self.check_fields(raw, _RATE_FIELDS, prefix="rate_limit.")
         limit = raw.get("limit")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             self.fail(
-                "rate_limit.limit", f"must be a whole number of runs, 1 or more, not {_show(limit)}"
+                "rate_limit.limit",
+                f"must be a whole number of runs, 1 or more, not {shown_value(limit)}",
             )
         if "period" not in raw:
             self.fail("rate_limit.period", "is required: a duration like 1m, 1h or 1d")
@@ -359,7 +370,7 @@ class _TriggerParser:
             self.fail(
                 "order",
                 "must be a mapping such as {by: $.created, key: '{$.data.object.id}'}, "
-                f"not {_kind(raw)}",
+                f"not {yaml_kind(raw)}",
             )
         self.check_fields(raw, _ORDER_FIELDS, prefix="order.")
         if "by" not in raw:
@@ -368,7 +379,7 @@ class _TriggerParser:
         entity = self.key(raw["key"], "order.key") if "key" in raw else None
         ties = raw.get("ties", TIES[0])
         if ties not in TIES:
-            self.fail("order.ties", f"must be one of {', '.join(TIES)}, not {_show(ties)}")
+            self.fail("order.ties", f"must be one of {', '.join(TIES)}, not {shown_value(ties)}")
         rank = None
         if "rank" in raw:
             rank = self.rank(raw["rank"])
@@ -379,7 +390,7 @@ class _TriggerParser:
             self.fail(
                 "order.rank",
                 "must be a mapping such as {by: $.data.object.status, order: [active, "
-                f"canceled]}}, not {_kind(raw)}",
+                f"canceled]}}, not {yaml_kind(raw)}",
             )
         self.check_fields(raw, _RANK_FIELDS, prefix="order.rank.")
         for required in _RANK_FIELDS:
@@ -394,7 +405,7 @@ class _TriggerParser:
         ):
             self.fail(
                 "order.rank.order",
-                f"must be a list of words from oldest to newest, not {_show(words)}",
+                f"must be a list of words from oldest to newest, not {shown_value(words)}",
             )
         if len(set(words)) != len(words):
             self.fail("order.rank.order", "names a word twice")
@@ -408,7 +419,7 @@ class _TriggerParser:
             self.check_fields(raw, _SOURCES, prefix=f"{field}.")
             return self.source(raw, field)
         self.fail(
-            field, f"must be a JSONPath such as $.created or {{header: Name}}, not {_kind(raw)}"
+            field, f"must be a JSONPath such as $.created or {{header: Name}}, not {yaml_kind(raw)}"
         )
 
     def replay_guard(self, raw: dict[object, object]) -> bool:
@@ -426,7 +437,7 @@ class _TriggerParser:
         scheme = verify.get("scheme") if isinstance(verify, dict) else None
         value = raw.get("replay_guard", scheme in ("github", "shopify"))
         if not isinstance(value, bool):
-            self.fail("replay_guard", f"must be true or false, not {_show(value)}")
+            self.fail("replay_guard", f"must be true or false, not {shown_value(value)}")
         if value and scheme in ("stripe", "standard", "slack"):
             self.fail(
                 "replay_guard",
@@ -448,7 +459,7 @@ class _TriggerParser:
 
     def workflow(self, raw: object) -> str:
         if not isinstance(raw, str) or not raw:
-            self.fail("workflow", f"must be a workflow name, not {_kind(raw)}")
+            self.fail("workflow", f"must be a workflow name, not {yaml_kind(raw)}")
         if raw not in self.workflows:
             known = ", ".join(sorted(self.workflows)) or "none are defined"
             self.fail("workflow", f"unknown workflow '{raw}'; known workflows: {known}")
@@ -456,7 +467,7 @@ class _TriggerParser:
 
     def path(self, raw: object) -> str:
         if not isinstance(raw, str) or not raw.startswith("/"):
-            self.fail("path", f"must be a URL path starting with '/', not {_show(raw)}")
+            self.fail("path", f"must be a URL path starting with '/', not {shown_value(raw)}")
         bad = sorted({c for c in raw if c in _PATH_FORBIDDEN})
         if bad:
             self.fail("path", f"must not contain {' '.join(repr(c) for c in bad)}")
@@ -471,7 +482,7 @@ class _TriggerParser:
 
     def header(self, raw: object, field: str) -> str:
         if not isinstance(raw, str) or not raw:
-            self.fail(field, f"must be a non-empty string (a header name), not {_kind(raw)}")
+            self.fail(field, f"must be a non-empty string (a header name), not {yaml_kind(raw)}")
         if not is_header_name(raw):
             self.fail(field, f"{raw!r} is not a valid header name")
         return raw
@@ -479,7 +490,7 @@ class _TriggerParser:
     def jsonpath(self, raw: object, field: str) -> Path:
         if not isinstance(raw, str) or not raw:
             self.fail(
-                field, f"must be a non-empty string (a JSONPath such as $.id), not {_kind(raw)}"
+                field, f"must be a non-empty string (a JSONPath such as $.id), not {yaml_kind(raw)}"
             )
         try:
             return compile_path(raw)
@@ -497,7 +508,7 @@ class _TriggerParser:
 
     def when(self, raw: object) -> tuple[Condition, ...]:
         if not isinstance(raw, list):
-            self.fail("when", f"must be a list of conditions, not {_kind(raw)}")
+            self.fail("when", f"must be a list of conditions, not {yaml_kind(raw)}")
         return tuple(self.condition(item, f"when[{i}]") for i, item in enumerate(raw))
 
     def condition(self, raw: object, field: str) -> Condition:
@@ -505,7 +516,7 @@ class _TriggerParser:
             self.fail(
                 field,
                 "must be a mapping such as {header: X-GitHub-Event, equals: push}, "
-                f"not {_kind(raw)}",
+                f"not {yaml_kind(raw)}",
             )
         self.check_fields(raw, (*_SOURCES, *TESTS), prefix=f"{field}.")
         header, path = self.source(raw, field)
@@ -529,14 +540,15 @@ class _TriggerParser:
         if not isinstance(raw, dict):
             self.fail(
                 "event_id",
-                f"must be a mapping such as {{header: X-GitHub-Delivery}}, not {_kind(raw)}",
+                f"must be a mapping such as {{header: X-GitHub-Delivery}}, not {yaml_kind(raw)}",
             )
         self.check_fields(raw, _EVENT_ID_FIELDS, prefix="event_id.")
         header, path = self.source(raw, "event_id")
         missing = raw.get("missing", MISSING[0])
         if missing not in MISSING:
             self.fail(
-                "event_id.missing", f"must be one of {', '.join(MISSING)}, not {_show(missing)}"
+                "event_id.missing",
+                f"must be one of {', '.join(MISSING)}, not {shown_value(missing)}",
             )
         try:
             return compile_event_id(header=header, path=path, missing=missing)
@@ -545,7 +557,9 @@ class _TriggerParser:
 
     def key(self, raw: object, field: str = "key") -> KeyTemplate:
         if not isinstance(raw, str):
-            self.fail(field, f"must be a template string such as '{{event_id}}', not {_kind(raw)}")
+            self.fail(
+                field, f"must be a template string such as '{{event_id}}', not {yaml_kind(raw)}"
+            )
         try:
             return compile_key(raw)
         except ValueError as exc:
@@ -555,7 +569,8 @@ class _TriggerParser:
         if not isinstance(raw, dict):
             self.fail(
                 "params",
-                f"must be a mapping of param name → JSONPath, header or value, not {_kind(raw)}",
+                "must be a mapping of param name → JSONPath, header or value, not "
+                f"{yaml_kind(raw)}",
             )
         for name in raw:
             if not isinstance(name, str) or not name:
@@ -568,33 +583,5 @@ class _TriggerParser:
     def choice(self, raw: dict[object, object], field: str, allowed: tuple[str, ...]) -> str:
         value = raw.get(field, allowed[0])
         if not isinstance(value, str) or value not in allowed:
-            self.fail(field, f"must be one of {', '.join(allowed)}, not {_show(value)}")
+            self.fail(field, f"must be one of {', '.join(allowed)}, not {shown_value(value)}")
         return value
-
-
-def _kind(value: object) -> str:
-    """The YAML name of a value's type, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, str) and not value:
-        return "an empty string"
-    names = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "a mapping",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
-def _show(value: object) -> str:
-    """A user's value for a message: short strings and numbers as written, else the type."""
-    if isinstance(value, str):
-        text = repr(value)
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        text = str(value)
-    else:
-        text = _kind(value)
-    return text if len(text) <= 60 else text[:57] + "..."

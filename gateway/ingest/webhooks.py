@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 
 from gateway.ingest import delivery
 from gateway.ingest.deadlines import Deadlines
+from gateway.ingest.ingress import IngressGate
 from gateway.ingest.observe import DeliveryLog
 from gateway.ingest.received import Received, Recorder, authenticating, new_delivery_id
 from gateway.ingest.served import Serving
@@ -151,6 +152,8 @@ class Webhooks:
         # would only turn a burst into timeouts for everyone.
         self.in_flight = 0
         self.budget = BodyBudget(settings.max_buffered_body_bytes)
+        # settings.ingress: per-path limits, checked in Redis before a body is read.
+        self.ingress = IngressGate(deadlines)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         serving = self.serving
@@ -187,10 +190,22 @@ class Webhooks:
         claiming = False
         signatures: dict[str, str | None] | None = None
         taken = _Taken()
+        # A limited path (settings.ingress, which a reload may change): first of all,
+        # before a byte of the body is read or a signature checked, so a flood costs
+        # one small Redis call per request. It fails open (gateway/ingest/ingress.py).
+        limited = None
+        ingress = settings.ingress.get(scope["path"]) if settings.ingress else None
+        if ingress is not None:
+            limited = await self.ingress.refusal(
+                serving.store, scope["path"], ingress, settings.redis_timeout
+            )
         # One deadline per delivery: first for the body, then for the claims.
         self.deadlines.set(task, settings.body_timeout)
         try:
-            read = await self._read_body(headers, receive, taken, settings.max_body_bytes)
+            if limited is not None:
+                read: bytes | delivery.Reply = limited  # unread: the server discards the body
+            else:
+                read = await self._read_body(headers, receive, taken, settings.max_body_bytes)
             if isinstance(read, delivery.Reply):
                 reply = read
             else:

@@ -41,7 +41,7 @@ SETTINGS_FIELDS = {"key_prefix", "max_body_bytes", "redis_timeout", "body_timeou
                    "max_buffered_body_bytes", "max_header_bytes", "durability",
                    "delivery_log", "store_bodies", "max_stored_body_bytes",
                    "delivery_retention", "max_deliveries",
-                   "trusted_proxies", "spool"}  # fmt: skip
+                   "trusted_proxies", "spool", "ingress"}  # fmt: skip
 RESERVED_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/v1", "/ui"})
 DEFAULT_MAX_BODY_BYTES = 25 * 1024 * 1024  # GitHub's payload cap
 DEFAULT_REDIS_TIMEOUT = 2.0  # seconds; well inside GitHub's 10 s
@@ -153,6 +153,38 @@ class Spool:
 
 SPOOL_FIELDS = {"dir", "max_bytes", "drain_rate"}
 
+# ``settings.ingress``: per path, a rate like ``50/s`` and a burst.
+INGRESS_RATE = re.compile(r"^([1-9][0-9]{0,6})/([smh])$")
+INGRESS_RATE_UNIT_MS = {"s": 1_000, "m": 60_000, "h": 3_600_000}
+INGRESS_FIELDS = {"rate", "burst"}
+# The most of a rate's count and of a burst: a million a second is one delivery a µs,
+# the script's unit of time, and a burst's span stays well inside a double's integers.
+MAX_INGRESS_COUNT = 1_000_000
+
+
+@dataclass(frozen=True)
+class IngressLimit:
+    """``settings.ingress.<path>``: deliveries to one webhook path, at most ``count``
+    per ``period_ms`` on average and ``burst`` at once, counted in Redis for every
+    gateway process together before anything is read or verified
+    (gateway/ingest/ingress.py); past it the sender gets 429 with Retry-After."""
+
+    count: int
+    period_ms: int
+    burst: int
+
+    @property
+    def interval_us(self) -> int:
+        """Microseconds between two deliveries at the steady rate, rounded up: a limit
+        that rounds never lets more through than it says."""
+        return -(-self.period_ms * 1000 // self.count)
+
+    @property
+    def rate(self) -> str:
+        """The rate as written: ``50/s``."""
+        unit = next(u for u, ms in INGRESS_RATE_UNIT_MS.items() if ms == self.period_ms)
+        return f"{self.count}/{unit}"
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -175,6 +207,9 @@ class Settings:
     trusted_proxies: tuple[Network, ...] = ()
     # On by default; None (``spool: false``): a delivery Redis cannot take gets 503.
     spool: Spool | None = Spool()
+    # Per webhook path: how fast deliveries may arrive (no entry: unlimited). A reload
+    # may change it: the request path reads it from the config serving.
+    ingress: Mapping[str, IngressLimit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

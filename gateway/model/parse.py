@@ -29,12 +29,17 @@ from gateway.model.config import (
     DEFAULT_SPOOL_DRAIN_RATE,
     DEFAULT_SPOOL_MAX_BYTES,
     DURABILITY_FIELDS,
+    INGRESS_FIELDS,
+    INGRESS_RATE,
+    INGRESS_RATE_UNIT_MS,
+    MAX_INGRESS_COUNT,
     MAX_PARTITIONS,
     SETTINGS_FIELDS,
     SPOOL_FIELDS,
     WORKFLOW_FIELDS,
     WORKFLOW_NAME,
     Durability,
+    IngressLimit,
     Network,
     Settings,
     Spool,
@@ -256,9 +261,10 @@ def parse_settings(raw: object, file: str) -> Settings:
         counts[name] = value
     proxies = _parse_networks(raw.get("trusted_proxies", []), error)
     spool = _parse_spool(raw.get("spool", True), error)
+    ingress = _parse_ingress(raw.get("ingress", {}), error)
     return Settings(key_prefix=prefix, max_body_bytes=max_body, max_in_flight=in_flight,
                     durability=durability, delivery_retention_ms=retention_ms,
-                    trusted_proxies=proxies, spool=spool,
+                    trusted_proxies=proxies, spool=spool, ingress=ingress,
                     **timeouts, **sizes, **flags, **counts)  # fmt: skip
 
 
@@ -324,6 +330,56 @@ def _parse_spool(raw: object, error: Any) -> Spool | None:
             f"must be deliveries per second from 1 to 100000 (got {clip(repr(rate))})",
         )
     return Spool(dir=folder, max_bytes=size, drain_rate=rate)
+
+
+def _parse_ingress(raw: object, error: Any) -> dict[str, IngressLimit]:
+    """``ingress``: per webhook path, ``{rate: 50/s, burst: 100}``. ``rate`` is a count
+    per second, minute or hour; ``burst``, how many may arrive at once, defaults to
+    the rate's count (``600/m`` lets a minute's worth arrive together, then one every
+    100 ms). That a trigger serves each path is gateway.loading's check: it knows
+    the triggers."""
+    if raw is None:  # `ingress:` with nothing under it
+        return {}
+    if not isinstance(raw, dict):
+        raise error(
+            "ingress",
+            f"must be a mapping of webhook path to {{rate: 50/s, burst: 100}} "
+            f"(got {clip(repr(raw))})",
+        )
+    limits = {}
+    for path, spec in raw.items():
+        where = f"ingress.{clip(str(path), 100)}"
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise error(where, "must be a webhook path starting with '/' (a trigger's path)")
+        if not isinstance(spec, dict):
+            raise error(
+                where, f"must be a mapping like {{rate: 50/s, burst: 100}} (got {clip(repr(spec))})"
+            )
+        unknown = sorted(str(k) for k in spec if k not in INGRESS_FIELDS)
+        if unknown:
+            raise error(f"{where}.{unknown[0]}", unknown_field(unknown[0], INGRESS_FIELDS))
+        rate = spec.get("rate")
+        match = INGRESS_RATE.fullmatch(rate) if isinstance(rate, str) else None
+        if match is None or int(match.group(1)) > MAX_INGRESS_COUNT:
+            got = "missing" if rate is None else f"got {clip(repr(rate))}"
+            raise error(
+                f"{where}.rate",
+                f"must be a count per second, minute or hour like '50/s', '600/m' or "
+                f"'1000/h', the count from 1 to {MAX_INGRESS_COUNT} ({got})",
+            )
+        count = int(match.group(1))
+        burst = spec.get("burst", count)
+        if (
+            isinstance(burst, bool)
+            or not isinstance(burst, int)
+            or not 1 <= burst <= MAX_INGRESS_COUNT
+        ):
+            raise error(
+                f"{where}.burst",
+                f"must be a whole number from 1 to {MAX_INGRESS_COUNT} (got {clip(repr(burst))})",
+            )
+        limits[path] = IngressLimit(count, INGRESS_RATE_UNIT_MS[match.group(2)], burst)
+    return limits
 
 
 def _parse_durability(raw: object, redis_timeout: float, error: Any) -> Durability | None:

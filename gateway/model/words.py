@@ -1,6 +1,7 @@
 """Words every message uses the same way: a count with the noun that agrees with it
 ("1 trigger", "2 triggers", never "trigger(s)"), and an unknown field named with the
-closest allowed one ("did you mean 'steps'?")."""
+closest allowed one ("did you mean 'steps'?"), a value of the wrong type by its YAML
+name ("a mapping", "an empty string")."""
 
 from __future__ import annotations
 
@@ -33,3 +34,31 @@ def unknown_field(name: str, allowed: Iterable[str]) -> str:
     """The message for a field that is not one of ``allowed``, with the closest one."""
     names = sorted(allowed)
     return f"unknown field{did_you_mean(name, names)}; allowed fields: {', '.join(names)}"
+
+
+def yaml_kind(value: object) -> str:
+    """The YAML name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, str) and not value:
+        return "an empty string"
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }
+    return names.get(type(value), type(value).__name__)
+
+
+def shown_value(value: object) -> str:
+    """A user's value for a message: short strings and numbers as written, else the type."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        text = str(value)
+    else:
+        text = yaml_kind(value)
+    return text if len(text) <= 60 else text[:57] + "..."

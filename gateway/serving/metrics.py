@@ -5,7 +5,8 @@ prometheus_client's multiprocess mode at a private folder before they start;
 ``/metrics`` then sums every worker, whichever one answers the scrape.
 
 The listener's scrape also reads each workflow's step streams (``queue_text``):
-how many ready steps wait and for how long, read from Redis, so every worker reports
+how many ready steps wait and for how long, and how many runs wait (queued behind
+their key, scheduled for later), read from Redis, so every worker reports
 the same figures. A read costs a few commands per partition (some 1 300 for 5
 workflows of 64 partitions), so a worker reads at most once a second and one read
 at a time, whatever the number of scrapes (``QueueGauges``). A runner
@@ -91,11 +92,13 @@ class QueueGauges:
 class _Figures:
     """One workflow's streams, summed over its partitions."""
 
-    __slots__ = ("new", "oldest_ms", "taken")
+    __slots__ = ("new", "oldest_ms", "queued", "scheduled", "taken")
 
     def __init__(self) -> None:
         self.new = 0
         self.taken = 0
+        self.queued = 0  # runs waiting in their key's queue
+        self.scheduled = 0  # runs waiting for their due time
         self.oldest_ms: int | None = None
 
     def saw(self, entry_id: Any) -> None:
@@ -111,11 +114,20 @@ async def _read_workflow(store: RunStore, workflow: str) -> _Figures:
     per stream the runners' group's pending summary and the first entry it has not
     taken (before any runner read it: the stream's length and first entry)."""
     figures = _Figures()
-    streams = [keys.stream() for keys in store.partitions(workflow)]
+    parts = store.partitions(workflow)
+    streams = [keys.stream() for keys in parts]
     async with store.redis.pipeline(transaction=False) as pipe:
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-        replies = await pipe.execute(raise_on_error=False)
+        for keys in parts:
+            pipe.xinfo_groups(keys.stream())
+            pipe.zcard(keys.queued())
+            pipe.zcard(keys.due())
+        read = await pipe.execute(raise_on_error=False)
+    replies = read[0::3]
+    for counted in (*read[1::3], *read[2::3]):
+        if isinstance(counted, Exception):
+            raise counted
+    figures.queued = sum(read[1::3])
+    figures.scheduled = sum(read[2::3])
     groups: list[dict[str, Any] | None] = []
     async with store.redis.pipeline(transaction=False) as pipe:
         for stream, reply in zip(streams, replies, strict=True):
@@ -184,6 +196,12 @@ async def queue_text(store: RunStore, timeout: float = QUEUE_TIMEOUT) -> bytes:
         "Age of the oldest ready step not yet acknowledged (0 when none waits)",
         labels=["workflow"],
     )
+    runs_waiting = GaugeMetricFamily(
+        "realm_runs_waiting",
+        "Runs that have not started, by phase: queued (behind their key's live runs) or "
+        "scheduled (debounce, delay: waiting for their due time)",
+        labels=["workflow", "phase"],
+    )
     read_ok = GaugeMetricFamily(
         "realm_queue_read_ok",
         "1 if this scrape read the workflow's streams from Redis in time, else 0",
@@ -199,12 +217,14 @@ async def queue_text(store: RunStore, timeout: float = QUEUE_TIMEOUT) -> bytes:
             continue
         waiting.add_metric([wf, "new"], figures.new)
         waiting.add_metric([wf, "taken"], figures.taken)
+        runs_waiting.add_metric([wf, "queued"], figures.queued)
+        runs_waiting.add_metric([wf, "scheduled"], figures.scheduled)
         age = 0.0 if figures.oldest_ms is None else max(0.0, (now_ms - figures.oldest_ms) / 1000)
         oldest.add_metric([wf], age)
     if failed:
         log.warning("/metrics: the streams of %s were not read in time", ", ".join(failed))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot([waiting, oldest, read_ok]))
+    registry.register(_Snapshot([waiting, oldest, runs_waiting, read_ok]))
     return generate_latest(registry)
 
 

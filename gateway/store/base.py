@@ -45,6 +45,10 @@ from gateway.store.scripts import Scripts
 
 T = TypeVar("T")
 
+# Script calls one ending may make: each `need_next` reply names the run first in the
+# key's queue, and a start or cancel may change that head in between.
+MAX_ENDING_CALLS = 64
+
 
 class StoreBase:
     """The state and helpers the parts of RunStore share: the connections, the scripts,
@@ -151,8 +155,35 @@ class StoreBase:
             return await pipe.execute()
 
     @staticmethod
-    def _key_keys(keys: Keys, run: Run) -> list[str]:
-        return [] if not run.key else [keys.pointer(run.key), keys.key_runs(run.key)]
+    def _key_keys(keys: Keys, run: Run, next_id: str = "") -> list[str]:
+        """The keys an ending of ``run`` touches besides its own: its key's pointer, run
+        set and queue, the hash of the run first in that queue (``next_id``, once a
+        ``need_next`` reply named it; else the run's own hash) and the workflow's queued
+        index. None for a run without a key."""
+        if not run.key:
+            return []
+        return [keys.pointer(run.key), keys.key_runs(run.key), keys.queue(run.key),
+                keys.run(next_id or run.id), keys.queued()]  # fmt: skip
+
+    async def _ending(
+        self, script: AsyncScript, head: list[str], keys: Keys, run: Run, argv: list[Any]
+    ) -> Any:
+        """One call of a script that may end ``run`` (``argv`` then gets the id of the run
+        waiting first in its key's queue). An ending starts that run in the same call, so
+        it needs its hash, and keys are never built inside Lua: a ``need_next`` reply names
+        it, and the call goes again (one more round trip, only when a run waits)."""
+        next_id = ""
+        for _ in range(MAX_ENDING_CALLS):
+            script_keys = [*head, *self._key_keys(keys, run, next_id)]
+            reply = await self._retrying(
+                lambda k=script_keys, a=[*argv, next_id]: self._run_script(script, k, a)
+            )
+            if reply[0] != b"need_next":
+                return reply
+            next_id = text_of(reply[1])
+        raise StoreUnavailable(
+            f"the queue of run {run.id}'s key kept moving ({MAX_ENDING_CALLS} calls); retry"
+        )
 
     def deadline(self) -> _Deadline:
         """One bound on a whole operation: never a hang, whatever Redis does.

@@ -9,6 +9,8 @@ safe to repeat under the same ``op_id`` (the script records what it did).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.model.errors import StoreUnavailable
 from gateway.store.base import (
     StoreBase,
@@ -44,52 +46,62 @@ class RunEndings(StoreBase):
         return await self.get_run(run_id)
 
     async def cancel_run(self, run_id: str, *, op_id: str | None = None) -> int:
-        """Cancel a live run: 1. An ended run is left as it is: 0, never an error.
+        """Cancel a live or waiting (queued, scheduled) run: 1. An ended run is left as
+        it is: 0, never an error.
         ``op_id``: as for ``complete_step``."""
         outcome, _ = await self._end_run(run_id, "cancelled", "", op_id, "")
         return 1 if outcome == "ended" else 0
 
     async def cancel_key(self, workflow: str, key: str, *, op_id: str | None = None) -> int:
-        """Cancel the live run that ``key`` points at: 1, or 0 when there is none.
-        ``op_id``: as for ``complete_step``."""
+        """Cancel the runs ``key`` holds: its live run (its live runs, when it queues), a
+        scheduled one and every run waiting in its queue. How many were cancelled: 0 when
+        none was. ``op_id``: as for ``complete_step``."""
         self.config.workflow(workflow)
         check_key(key)
         wf = self.config.workflows[workflow]
         keys = self.keys_for_key(workflow, key)
-        pointer = keys.pointer(key)
+        pointer, queue = keys.pointer(key), keys.queue(key)
         op = keys.op(op_id_or_new(op_id))
         async with self.deadline():
             for _ in range(MAX_CLAIM_CALLS):  # until the key stays put between read and script
-                run_id = await self._retrying(lambda: self.redis.hget(pointer, "run"))
-                if run_id is None:
+                held, waiting = await self._retrying(lambda: self._key_state(pointer, queue))
+                if held[0] is None:
                     return 0
-                expected = text_of(run_id)
+                expected, live = text_of(held[0]), text_of(held[1] or b"")
+                queued = [text_of(x) for x in waiting]
+                ids = list(dict.fromkeys([expected, *live.split(), *queued]))
                 reply = await self._retrying(
-                    lambda expected=expected: self._run_script(
+                    lambda ids=ids, e=expected, lv=live, qd=queued: self._run_script(
                         self.scripts.cancel_key,
-                        [pointer, keys.key_runs(key), keys.run(expected), op],
-                        [expected, wf.retention_ms],
+                        [pointer, keys.key_runs(key), op, keys.stream(), queue, keys.queued(),
+                         keys.due(), *(keys.run(i) for i in ids)],
+                        [wf.retention_ms, e, lv, " ".join(qd), *ids],
                     )
-                )
+                )  # fmt: skip
                 check_op_reused(reply)
                 outcome = text_of(reply[0])
                 if outcome != "moved":
-                    return 1 if outcome == "cancelled" else 0
+                    return int(reply[2]) if outcome == "cancelled" else 0
         raise StoreUnavailable(
             f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
         )
+
+    async def _key_state(self, pointer: str, queue: str) -> tuple[list[Any], list[bytes]]:
+        # A fresh pipeline per try: a failed pipeline forgets its commands.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(pointer, ["run", "live"])
+            pipe.zrange(queue, 0, -1)
+            held, waiting = await pipe.execute()
+        return held, waiting
 
     async def _end_run(
         self, run_id: str, phase: str, error: str, op_id: str | None, lease: str
     ) -> tuple[str, str]:
         run, wf, keys = await self._located(run_id)
-        script_keys = [keys.run(run_id), keys.op(op_id_or_new(op_id)), keys.stream(),
-                       *self._key_keys(keys, run)]  # fmt: skip
+        head = [keys.run(run_id), keys.op(op_id_or_new(op_id)), keys.stream(), keys.due()]
         argv = [run_id, phase, wf.retention_ms, error, lease]
         async with self.deadline():
-            reply = await self._retrying(
-                lambda: self._run_script(self.scripts.end_run, script_keys, argv)
-            )
+            reply = await self._ending(self.scripts.end_run, head, keys, run, argv)
         check_op_reused(reply)
         outcome, final = text_of(reply[0]), text_of(reply[1])
         if outcome == "not_found":

@@ -77,6 +77,18 @@ class Keys:
         """Sorted set: every run ever started under an idempotency key."""
         return f"{self._base}:keyruns:{key}"
 
+    def queue(self, key: str) -> str:
+        """The runs waiting behind the key's live runs (zset, by arrival)."""
+        return f"{self._base}:queue:{key}"
+
+    def queued(self) -> str:
+        """Every run of the workflow waiting in a key's queue (zset, by arrival)."""
+        return f"{self._base}:queued"
+
+    def due(self) -> str:
+        """The workflow's scheduled runs (debounce, delay), by due time in ms (zset)."""
+        return f"{self._base}:due"
+
     def event(self, trigger: str, event_id: str) -> str:
         """String: the run one event of a trigger was given, so that its redelivery is
         deduplicated whatever the key's policy. The trigger's name is length-prefixed:

@@ -19,17 +19,52 @@ from gateway.model.config import Workflow
 from gateway.model.errors import RealmError
 from gateway.model.words import noun
 
-LiveMatch = Literal["use_existing", "fail", "cancel_existing"]
+LiveMatch = Literal["use_existing", "fail", "cancel_existing", "queue"]
 TerminalMatch = Literal["reuse", "reject", "rerun_if_failed", "rerun"]
 ParamsMismatch = Literal["flag", "reject"]
-Phase = Literal["running", "completed", "failed", "cancelled"]
+Phase = Literal["running", "completed", "failed", "cancelled", "queued", "scheduled"]
 
-LIVE_MATCH: tuple[str, ...] = ("use_existing", "fail", "cancel_existing")
+LIVE_MATCH: tuple[str, ...] = ("use_existing", "fail", "cancel_existing", "queue")
 TERMINAL_MATCH: tuple[str, ...] = ("reuse", "reject", "rerun_if_failed", "rerun")
 PARAMS_MISMATCH: tuple[str, ...] = ("flag", "reject")
-PHASES: tuple[str, ...] = ("running", "completed", "failed", "cancelled")
+PHASES: tuple[str, ...] = ("running", "completed", "failed", "cancelled", "queued", "scheduled")
+# Phases of a run that has not started: it waits in its key's queue, or for its due time.
+WAITING = ("queued", "scheduled")
 MAX_KEY_BYTES = 1024
 MAX_BATCH_ITEMS = 10_000
+# Runs that may wait in one key's queue unless a trigger's `queue.max` says otherwise.
+DEFAULT_QUEUE_MAX = 100
+KEEP = ("all", "newest")
+
+
+@dataclass(frozen=True)
+class Flow:
+    """How a start waits instead of starting at once (see start_run.lua's ARGV[15]).
+
+    ``limit``: live runs per key under on_live_match ``queue`` before a start queues;
+    ``queue_max``: runs that may wait (keep ``all``); ``keep``: ``all``, or ``newest``
+    (one waits: a later start cancels it and waits instead); ``debounce_ms``: the run
+    is scheduled that long after the start, and each later start of its key while it is
+    scheduled replaces its params and pushes it back, never past ``max_wait_ms`` (0: no
+    bound) from its creation; ``delay_ms``: every run is scheduled that long after its
+    start."""
+
+    limit: int = 1
+    queue_max: int = DEFAULT_QUEUE_MAX
+    keep: str = "all"
+    debounce_ms: int = 0
+    max_wait_ms: int = 0
+    delay_ms: int = 0
+
+    def argument(self) -> str:
+        return (
+            f"{self.limit} {self.queue_max} {self.keep} {self.debounce_ms} "
+            f"{self.max_wait_ms} {self.delay_ms}"
+        )
+
+    @property
+    def schedules(self) -> bool:
+        return self.debounce_ms > 0 or self.delay_ms > 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +80,10 @@ class StartResult:
     params_mismatch: bool = False
     # Which setting made this start supersede ``rerun_of``: on_live_match or on_terminal_match.
     superseded_by: str | None = None
+    # A scheduled run's due time (server ms): a debounced or delayed start.
+    due_ms: int | None = None
+    # This start moved the key's scheduled run (debounce): its params are now this start's.
+    debounced: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +139,7 @@ class Run:
     ended_ms: int | None
     rerun_of: str | None
     error: str | None
+    due_ms: int | None = None  # a scheduled run's due time (server ms)
 
     @property
     def next_step(self) -> str | None:
@@ -120,6 +160,7 @@ class Run:
             "ended_ms": self.ended_ms,
             "rerun_of": self.rerun_of,
             "error": self.error,
+            **({"due_ms": self.due_ms} if self.due_ms is not None else {}),
         }
 
 
@@ -141,7 +182,7 @@ def fingerprint_of(data: bytes) -> str:
 
 def run_from_hash(data: Mapping[bytes, bytes]) -> Run:
     f = {text_of(k): text_of(v) for k, v in data.items()}
-    ended = f.get("ended_ms")
+    ended, due = f.get("ended_ms"), f.get("due_ms")
     return Run(
         id=f["id"],
         workflow=f["workflow"],
@@ -155,6 +196,7 @@ def run_from_hash(data: Mapping[bytes, bytes]) -> Run:
         ended_ms=int(ended) if ended else None,
         rerun_of=f.get("rerun_of") or None,
         error=f.get("error") or None,
+        due_ms=int(due) if due and f["phase"] == "scheduled" else None,
     )
 
 

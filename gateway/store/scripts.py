@@ -23,8 +23,10 @@ SCRIPT_NAMES = (
     "take_step",
     "step_failed",
     "extend_lease",
+    "start_due",
     "record_deliveries",
     "list_deliveries",
+    "ingress",
 )
 
 
@@ -53,11 +55,14 @@ class Scripts:
         self.take_step: AsyncScript = redis.register_script(script_source("take_step"))
         self.step_failed: AsyncScript = redis.register_script(script_source("step_failed"))
         self.extend_lease: AsyncScript = redis.register_script(script_source("extend_lease"))
+        self.start_due: AsyncScript = redis.register_script(script_source("start_due"))
         # The delivery log (gateway/deliveries/log.py).
         self.record_deliveries: AsyncScript = redis.register_script(
             script_source("record_deliveries")
         )
         self.list_deliveries: AsyncScript = redis.register_script(script_source("list_deliveries"))
+        # The per-path ingress limit, asked before a delivery is read (gateway/store/ingress.py).
+        self.ingress: AsyncScript = redis.register_script(script_source("ingress"))
 
     def all(self) -> tuple[AsyncScript, ...]:
         return (
@@ -71,6 +76,8 @@ class Scripts:
             self.take_step,
             self.step_failed,
             self.extend_lease,
+            self.start_due,
             self.record_deliveries,
             self.list_deliveries,
+            self.ingress,
         )

@@ -25,10 +25,11 @@ from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.model.words import plural
 from gateway.store.base import StoreBase
 from gateway.store.keys import Keys, partition_of, run_id_in
-from gateway.store.policy import Decision, KeyState, decide
+from gateway.store.policy import Decision, FlowState, KeyState, decide
 from gateway.store.runs import (
     MAX_BATCH_ITEMS,
     BatchEntry,
+    Flow,
     LiveMatch,
     ParamsMismatch,
     StartResult,
@@ -43,12 +44,12 @@ from gateway.store.runs import (
     prepare_items,
     text_of,
 )
-
-# A delivery older than one that already started a run for its entity (an ordered
-# trigger's refusal, stored as nothing: the entity's mark only moves forward).
-STATE_EVENT_STALE = "STATE_EVENT_STALE"
-# A start a trigger's rate limit turned away (nothing stored: a later delivery may start).
-STATE_RATE_LIMITED = "STATE_RATE_LIMITED"
+from gateway.store.start_results import (
+    rate_error,
+    stale_against,
+    stale_error,
+    start_result,
+)
 
 # Script calls one start may make: each `need_run` reply names a run the next call
 # must pass, and a concurrent start on the same key can move it again in between.
@@ -104,6 +105,7 @@ class RunStarts(StoreBase):
         bounded: bool = True,
         request_id: str | None = None,
         markers: Sequence[Marker] = (),
+        flow: Flow | None = None,
     ) -> StartResult:
         """Start a run, or return the run that owns ``idempotency_key``.
 
@@ -117,10 +119,19 @@ class RunStarts(StoreBase):
         this start answers for, so that their redelivery is deduplicated.
         ``bounded=False`` skips the store's deadline, for a caller that bounds the
         call with a timer of its own (the webhook path, one timer per delivery).
+        ``flow``: how the run may wait (a trigger's queue, concurrency, debounce and
+        delay); on_live_match ``queue`` without one queues behind one live run.
         """
         wf = self.config.workflow(workflow)
         params = {} if params is None else params
         check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        if flow is None and on_live_match == "queue":
+            flow = Flow()
+        if flow is not None and on_live_match == "queue" and idempotency_key is None:
+            raise RealmError(
+                "VALIDATION_PARAMS",
+                "on_live_match 'queue' needs an idempotency_key: runs queue behind their key's",
+            )
         wf.check_params(params)
         params_json = encode_params(params)
         if idempotency_key is not None:
@@ -153,10 +164,14 @@ class RunStarts(StoreBase):
             new_id = run_id
         run_key = keys.run(new_id)
         if idempotency_key is None:
-            pointer = keyruns = run_key
+            pointer = keyruns = queue = run_key
         else:
             pointer, keyruns = keys.pointer(idempotency_key), keys.key_runs(idempotency_key)
+            queue = keys.queue(idempotency_key) if flow is not None else run_key
         head = [run_key, keys.runs(), keys.stream(), pointer, keyruns]
+        # A start with no flow never looks at the queues or the due index: their slots
+        # name the new run's hash (shorter to send than a key of their own).
+        waits = [keys.queued(), keys.due()] if flow is not None else [run_key, run_key]
         tail = [m.name(keys) for m in markers]
         argv: list[Any] = [
             new_id,
@@ -175,22 +190,26 @@ class RunStarts(StoreBase):
         # A run id the caller chose may have been started by an earlier call of theirs.
         sends = _Sends(resend=run_id is not None)
         async with self.deadline() if bounded else contextlib.nullcontext():
-            named = {"pointer": "", "marker": ""}
+            named = {"pointer": "", "marker": "", "queued": ""}
+            flow_arg = "" if flow is None else flow.argument()
             for _ in range(MAX_CLAIM_CALLS):
                 # A repeat needs the hash of the run it names, and keys are never
                 # built inside Lua: the script answers `need_run` naming it, and this
                 # call goes again with it (one more round trip, on repeats only).
-                cur, mrun = named["pointer"], named["marker"]
+                cur, mrun, qrun = named["pointer"], named["marker"], named["queued"]
                 script_keys = [
                     *head,
                     keys.run(cur) if cur else run_key,
                     keys.run(mrun) if mrun else run_key,
                     keys.key_index(),
+                    queue,
+                    keys.run(qrun) if qrun else run_key,
+                    *waits,
                     *tail,
                 ]
                 reply = await self._retrying(
-                    lambda k=script_keys, a=[*argv, cur, mrun], t=[0]: self._run_script(
-                        self.scripts.start_run, k, [*a, sends.flag(t), *marks]
+                    lambda k=script_keys, a=[*argv, cur, mrun], t=[0], q=qrun: self._run_script(
+                        self.scripts.start_run, k, [*a, sends.flag(t), flow_arg, q, *marks]
                     )
                 )
                 if reply[0] != b"need_run":
@@ -202,8 +221,8 @@ class RunStarts(StoreBase):
                     f"the key kept moving under concurrent starts ({MAX_CLAIM_CALLS} calls); retry"
                 )
         tags = {m.mode: m.tag for m in markers}
-        return _start_result(
-            workflow, idempotency_key, on_live_match, on_terminal_match, reply, tags
+        return start_result(
+            workflow, idempotency_key, on_live_match, on_terminal_match, reply, tags, new_id
         )
 
     def event_marker(self, workflow: str, trigger: str, event_id: str) -> Marker:
@@ -254,6 +273,12 @@ class RunStarts(StoreBase):
         """
         wf = self.config.workflow(workflow)
         check_policies(on_live_match, on_terminal_match, on_params_mismatch)
+        if on_live_match == "queue":
+            raise RealmError(
+                "VALIDATION_PARAMS",
+                "on_live_match 'queue' is for single starts: a batch cannot wait behind "
+                "its own items; start them one by one",
+            )
         if batch_id is not None:
             check_request_id(batch_id, "batch_id")
         if not isinstance(items, Sequence) or isinstance(items, str | bytes):
@@ -305,7 +330,7 @@ class RunStarts(StoreBase):
                 for n, i in enumerate(items_here):
                     group = reply[6 * n : 6 * n + 6]
                     try:
-                        outcomes[i] = _start_result(
+                        outcomes[i] = start_result(
                             workflow, prepared[i][0], on_live_match, on_terminal_match, group
                         )
                     except StoreUnavailable:
@@ -378,6 +403,7 @@ class RunStarts(StoreBase):
         on_params_mismatch: str,
         fingerprint: str,
         markers: Sequence[Marker] = (),
+        flow: Flow | None = None,
     ) -> tuple[Decision, KeyState | None]:
         """What ``start_run`` would decide now, and the key's state; writes nothing.
         A marker that the claim would find (a redelivered event, a replayed body)
@@ -392,8 +418,8 @@ class RunStarts(StoreBase):
             for marker in markers:
                 if marker.mode == "order":
                     held = await self._retrying(lambda m=marker: self.redis.get(m.name(keys)))
-                    if held is not None and _stale(marker.tag, text_of(held)):
-                        raise _stale_error(workflow, marker.tag, text_of(held).split(" ", 2)[2])
+                    if held is not None and stale_against(marker.tag, text_of(held)):
+                        raise stale_error(workflow, marker.tag, text_of(held).split(" ", 2)[2])
                     continue
                 if marker.mode == "rate":
                     await self._preview_rate(workflow, marker, keys)
@@ -405,18 +431,33 @@ class RunStarts(StoreBase):
                 phase = await self._retrying(lambda k=run_key: self.redis.hget(k, "phase"))
                 if phase is not None:
                     return "existing", KeyState(text_of(run), text_of(phase), "")
+        shape = None
+        if flow is not None:
+            shape = FlowState(flow.limit, flow.queue_max, flow.keep, flow.schedules,
+                              flow.debounce_ms > 0)  # fmt: skip
         if idempotency_key is None:
-            return "start", None
-        pointer = keys.pointer(idempotency_key)
+            return ("schedule" if shape is not None and shape.schedules else "start"), None
+        pointer, queue = keys.pointer(idempotency_key), keys.queue(idempotency_key)
         async with self.deadline():
-            run, phase, fp = await self._retrying(
-                lambda: self.redis.hmget(pointer, ["run", "phase", "fp"])
+            (run, phase, fp, live), waiting = await self._retrying(
+                lambda: self._pointer_and_queue(pointer, queue)
             )
-        state = None if run is None else KeyState(text_of(run), text_of(phase), text_of(fp))
-        return (
-            decide(state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint),
-            state,
+        state = None
+        if run is not None:
+            state = KeyState(text_of(run), text_of(phase), text_of(fp),
+                             len(text_of(live or b"").split()), waiting)  # fmt: skip
+        decision = decide(
+            state, on_live_match, on_terminal_match, on_params_mismatch, fingerprint, shape
         )
+        return decision, state
+
+    async def _pointer_and_queue(self, pointer: str, queue: str) -> tuple[list[Any], int]:
+        # A fresh pipeline per try: a failed pipeline forgets its commands.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(pointer, ["run", "phase", "fp", "live"])
+            pipe.zcard(queue)
+            held, waiting = await pipe.execute()
+        return held, int(waiting)
 
     async def _preview_rate(self, workflow: str, marker: Marker, keys: Keys) -> None:
         """Raise what the claim would if ``marker``'s window is full now (by this
@@ -431,7 +472,7 @@ class RunStarts(StoreBase):
         )
         if len(started) >= limit:
             wait_ms = max(int(started[0][1]) + period_ms - now_ms, 1)
-            raise _rate_error(workflow, marker.tag, wait_ms)
+            raise rate_error(workflow, marker.tag, wait_ms)
 
     async def _read_marker(self, name: str) -> tuple[str | None, str]:
         """A marker's run and tag (see start_run.lua): a string, or a hash written by
@@ -447,103 +488,3 @@ class RunStarts(StoreBase):
             return None, ""
         run, _outcome, _rerun_of, tag = text_of(value).split("\n", 3)
         return run, tag
-
-
-def _stale(tag: str, held: str) -> bool:
-    """start_run.lua's comparison: is the delivery ``tag`` (``number rank ties text``)
-    stale against the entity's mark ``held`` (``number rank text``)?"""
-    number, rank, ties, _ = tag.split(" ", 3)
-    held_number, held_rank, _ = held.split(" ", 2)
-    mine, theirs = (float(number), int(rank)), (float(held_number), int(held_rank))
-    return mine < theirs or (mine == theirs and ties == "refuse")
-
-
-def _stale_error(workflow: str, tag: str, newest: str) -> RealmError:
-    """The refusal of the delivery ``tag`` (an order marker's), ``newest`` being the
-    text of the entity's mark."""
-    text = tag.split(" ", 3)[3]
-    return RealmError(
-        STATE_EVENT_STALE,
-        f"Stale event for workflow '{workflow}': its order value {text} is not after "
-        f"{newest}, of an event that already started a run for the same entity; "
-        "nothing was started.",
-    )
-
-
-def _rate_error(workflow: str, tag: str, wait_ms: int) -> RealmError:
-    limit, period_ms = tag.split(" ")
-    return RealmError(
-        STATE_RATE_LIMITED,
-        f"Rate limit for workflow '{workflow}': {plural(int(limit), 'run')} per "
-        f"{_duration(int(period_ms))} already started for this key; the next may start in "
-        f"{max(wait_ms / 1000, 0.001):g} s. Nothing was started.",
-    )
-
-
-def _duration(ms: int) -> str:
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms} ms"
-
-
-def _start_result(
-    workflow: str,
-    key: str | None,
-    on_live_match: str,
-    on_terminal_match: str,
-    reply: list[Any],
-    tags: Mapping[str, str] | None = None,
-) -> StartResult:
-    # Every element is a Lua string, so bytes.
-    outcome, run_id, phase, step, rerun_of, mismatch = (x.decode() for x in reply)
-    if outcome == "stale":
-        # `phase` holds the text of the entity's mark as the script read it.
-        raise _stale_error(workflow, (tags or {})["order"], phase)
-    if outcome == "rate_limited":
-        # `phase` holds the ms until the window has room.
-        raise _rate_error(workflow, (tags or {})["rate"], int(float(phase)))
-    if outcome == "created":
-        superseded_by = None
-        if rerun_of:
-            superseded_by = (
-                "on_live_match" if on_live_match == "cancel_existing" else "on_terminal_match"
-            )
-        return StartResult(
-            run_id=run_id,
-            workflow=workflow,
-            deduped=False,
-            phase=phase,
-            next_step=step if phase == "running" else None,
-            rerun_of=rerun_of or None,
-            superseded_by=superseded_by,
-        )
-    if outcome == "existing":
-        return StartResult(
-            run_id=run_id,
-            workflow=workflow,
-            deduped=True,
-            phase=phase,
-            next_step=step if phase == "running" else None,
-            params_mismatch=mismatch == "1",
-        )
-    if outcome == "active":
-        raise RealmError(
-            "STATE_RUN_ALREADY_ACTIVE",
-            f"Idempotency key for workflow '{workflow}' is owned by an active run "
-            f"'{run_id}' (phase '{phase}').",
-        )
-    if outcome == "used":
-        raise RealmError(
-            "STATE_IDEMPOTENCY_KEY_USED",
-            f"Idempotency key for workflow '{workflow}' was already used by run '{run_id}' "
-            f"(phase '{phase}'); on_terminal_match is '{on_terminal_match}'.",
-        )
-    if outcome == "conflict":
-        raise RealmError(
-            "STATE_IDEMPOTENCY_KEY_CONFLICT",
-            f"Idempotency key for workflow '{workflow}' is owned by run '{run_id}' "
-            f"(phase '{phase}'), which was started with different params; "
-            "on_params_mismatch is 'reject'.",
-        )
-    raise StoreUnavailable(f"unexpected reply from start_run for key {key!r}: {outcome}")

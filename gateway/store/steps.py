@@ -36,6 +36,7 @@ from gateway.link.blocking import BlockingReader, server_of, slot_of
 from gateway.model.config import Workflow
 from gateway.model.errors import RealmError, StoreUnavailable
 from gateway.store.base import (
+    MAX_ENDING_CALLS,
     StoreBase,
     check_op_reused,
     lease_lost,
@@ -100,12 +101,10 @@ class RunSteps(StoreBase):
         output_json = "" if output is None else _encode_output(output)
         run, wf, keys = await self._located(run_id)
         op = keys.op(op_id_or_new(op_id))
-        script_keys = [keys.run(run_id), keys.stream(), op, *self._key_keys(keys, run)]
+        head = [keys.run(run_id), keys.stream(), op]
         argv = [run_id, step, wf.retention_ms, lease or "", output_json, entry_id]
         async with self.deadline():
-            reply = await self._retrying(
-                lambda: self._run_script(self.scripts.complete_step, script_keys, argv)
-            )
+            reply = await self._ending(self.scripts.complete_step, head, keys, run, argv)
         check_op_reused(reply)
         outcome, phase, current = (text_of(x) for x in reply[:3])
         _raise_refusal(run_id, step, outcome, phase, current)
@@ -269,13 +268,22 @@ class RunSteps(StoreBase):
             lambda: self._run_script(self.scripts.take_step, script_keys, argv)
         )
         if text_of(reply[0]) == "need_key":
-            # The run is to be failed (its last lease lapsed) and has a key: once more,
-            # with the key's pointer, so that the key says the run failed too.
-            key = text_of(reply[2])
-            script_keys += [keys.pointer(key), keys.key_runs(key)]
-            reply = await self._retrying(
-                lambda: self._run_script(self.scripts.take_step, script_keys, argv)
-            )
+            # The run is to be failed (its last lease lapsed) and has a key: again, with
+            # the key's pointer, so that the key says the run failed too, and its queue,
+            # whose first run then starts (`need_next` names it: once more).
+            key, next_id = text_of(reply[2]), ""
+            for _ in range(MAX_ENDING_CALLS):
+                script_keys = [keys.run(run_id), keys.stream(), keys.pointer(key),
+                               keys.key_runs(key), keys.queue(key),
+                               keys.run(next_id or run_id), keys.queued()]  # fmt: skip
+                reply = await self._retrying(
+                    lambda k=script_keys, a=[*argv, next_id]: self._run_script(
+                        self.scripts.take_step, k, a
+                    )
+                )
+                if text_of(reply[0]) != "need_next":
+                    break
+                next_id = text_of(reply[2])
         outcome, attempt, params, output, until = (text_of(x) for x in reply)
         if outcome != "taken":
             return None
@@ -396,14 +404,11 @@ class RunSteps(StoreBase):
         the run fails with the error. Discarded like complete_step's results, and its
         ``op_id`` names one call as complete_step's does."""
         run, wf, keys = await self._located(run_id)
-        script_keys = [keys.run(run_id), keys.stream(), keys.op(op_id_or_new(op_id)),
-                       *self._key_keys(keys, run)]  # fmt: skip
+        head = [keys.run(run_id), keys.stream(), keys.op(op_id_or_new(op_id))]
         argv = [run_id, step, wf.retention_ms, lease, error[:MAX_ERROR_CHARS], wf.max_attempts,
                 wf.retry_backoff_ms, MAX_BACKOFF_MS, entry_id, wf.lease_ms]  # fmt: skip
         async with self.deadline():
-            reply = await self._retrying(
-                lambda: self._run_script(self.scripts.step_failed, script_keys, argv)
-            )
+            reply = await self._ending(self.scripts.step_failed, head, keys, run, argv)
         check_op_reused(reply)
         outcome, phase, current, attempt, retry_at = (text_of(x) for x in reply)
         _raise_refusal(run_id, step, outcome, phase, current)

@@ -22,6 +22,11 @@ Each walk's position is kept in Redis (``realm:{wf}:sweep``, ``realm:{wf}:keyswe
 still the one its caller read: every gateway replica and worker can run the same
 sweep, they share one walk, and none does more than bounded work per tick.
 ``Sweeper`` runs it in the background of each ``realm listen`` worker.
+
+The same worker starts scheduled runs (debounce, delay) once they are due
+(``start_due``): it reads the workflow's due index (``realm:{wf}:due``) about twice a
+second and calls ``start_due.lua`` for each run whose time has come, which checks the
+run's phase, so a run is started once however many workers see it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -61,6 +67,14 @@ CONSUMER_LIMIT = 100
 # Seconds between a worker's sweeps (each waits 0.5-1.5 times this: replicas
 # started together drift apart).
 INTERVAL = 1.0
+# Seconds between a worker's looks at the due index: a scheduled run starts within
+# about a second of its time, from whichever worker looks first.
+DUE_INTERVAL = 0.5
+# Due runs read (and started, one script call each) per read of the due index.
+DUE_CHUNK = 100
+# A run due within this many ms by this machine's clock is read: the script decides by
+# the server's, so a clock a little behind the server's delays no start.
+DUE_SLACK_MS = 1_000
 
 
 @dataclass
@@ -79,6 +93,7 @@ class SweepReport:
     entries_checked: int = 0  # stream entries older than stream_retention looked at
     entries_removed: int = 0  # of those, unread ones deleted: their run no longer needed them
     consumers_removed: int = 0  # consumers of the runners' group deleted: they had left
+    started: int = 0  # scheduled runs started: they were due
 
 
 Kind = Literal["runs", "keys", "stream"]
@@ -107,6 +122,36 @@ class _Ages:
     retention_ms: int
     stream_retention_ms: int
     consumer_idle_ms: int
+
+
+async def start_due(store: RunStore, workflow: str, *, max_calls: int = MAX_CALLS) -> int:
+    """Start the workflow's scheduled runs whose due time has come; how many this call
+    started. Safe to run from many processes: each run starts once."""
+    started = 0
+    for keys in store.partitions(workflow):
+        for _ in range(max_calls):
+            async with store.deadline():
+                count, more = await store._retrying(lambda k=keys: _start_due_chunk(store, k))
+            started += count
+            if not more:
+                break
+    return started
+
+
+async def _start_due_chunk(store: RunStore, keys: Keys) -> tuple[int, bool]:
+    horizon = int(time.time() * 1000) + DUE_SLACK_MS
+    due = await store.redis.zrangebyscore(keys.due(), "-inf", horizon, start=0, num=DUE_CHUNK)
+    started = 0
+    for member in due:
+        run_id = text_of(member)
+        script_keys = [keys.due(), keys.run(run_id), keys.stream()]
+        reply = await store.scripts.start_due(script_keys, [run_id])
+        if text_of(reply[0]) == "need_key":
+            # A keyed run: again, with its pointer, which then says it runs.
+            script_keys.append(keys.pointer(text_of(reply[1])))
+            reply = await store.scripts.start_due(script_keys, [run_id])
+        started += text_of(reply[0]) == "started"
+    return started, len(due) == DUE_CHUNK and started > 0
 
 
 def _walks(keys: Keys) -> tuple[_Walk, ...]:
@@ -265,6 +310,7 @@ class Sweeper:
         self.store = store
         self.interval = interval
         self.ticks = 0  # sweeps of all workflows tried (for tests and metrics)
+        self.due_started = 0  # scheduled runs this worker started
         self._failing: str | None = None  # the error being quiet about
 
     async def create_groups(self) -> None:
@@ -292,10 +338,24 @@ class Sweeper:
 
     async def run(self) -> None:
         await self.create_groups()
+        await asyncio.gather(self._sweeps(), self._due_starts())
+
+    async def _sweeps(self) -> None:
         while True:
             await asyncio.sleep(self.interval * random.uniform(0.5, 1.5))
             # Read at each tick: a reload (gateway/serving/reload.py) may replace the store.
             await self.tick(sorted(self.store.config.workflows))
+
+    async def _due_starts(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.interval, DUE_INTERVAL) * random.uniform(0.5, 1.5))
+            try:
+                for name in sorted(self.store.config.workflows):
+                    self.due_started += await start_due(self.store, name)
+            except StoreUnavailable as exc:
+                self._trouble("unavailable", f"sweep: {exc.message}; trying again every tick")
+            except Exception as exc:  # a bug must not stop a worker serving deliveries
+                self._trouble(type(exc).__name__, f"due runs not started: {type(exc).__name__}")
 
     async def tick(self, workflows: list[str]) -> None:
         try:

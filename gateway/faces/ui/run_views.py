@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 
 from gateway.faces.ui.layout import Frame, badge, esc_or_dash, options, page, rows, run_link
 from gateway.faces.ui.markup import Html, fill, join, pretty_value, when
-from gateway.store.runs import PHASES, Run
+from gateway.store.runs import PHASES, WAITING, Run
 
 # How far back the lineage follows rerun_of: far enough for any real history, and a
 # bound on the reads one page makes.
@@ -106,6 +106,7 @@ def run_page(
             ("Created", when(run.created_ms)),
             ("Updated", when(run.updated_ms)),
             ("Ended", when(run.ended_ms)),
+            ("Due", when(run.due_ms)),
             ("Rerun of", run_link(run.rerun_of)),
             (
                 "Error",
@@ -127,7 +128,7 @@ def run_page(
 
 
 def _cancel_form(run: Run, csrf: str | None) -> Html:
-    if run.phase != "running":
+    if run.phase not in ("running", *WAITING):
         return Html("")
     return fill(
         """<form method="post" action="/ui/runs/{id}/cancel" class="cancel">
@@ -158,7 +159,12 @@ def step_states(run: Run, state: StepState, now_ms: int) -> list[tuple[str, str,
 
 def _current_step(phase: str, state: StepState, now_ms: int) -> str:
     if phase != "running":
-        return {"failed": "failed here", "cancelled": "cancelled here"}.get(phase, phase)
+        return {
+            "failed": "failed here",
+            "cancelled": "cancelled here",
+            "queued": "queued: starts when a live run of its key ends",
+            "scheduled": "scheduled: starts when due",
+        }.get(phase, phase)
     if not state.attempt:
         return "ready: waiting for a runner"
     until = state.lease_until_ms

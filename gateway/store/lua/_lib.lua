@@ -71,12 +71,76 @@ local function op_remember(op_key, reply, retention_ms, what)
   return reply
 end
 
--- End a live run: record its final phase, mirror it on the key pointer when
+-- A key's runs under on_live_match 'queue': its pointer lists the live ones ('live': their
+-- ids, space-separated, oldest first) and how many may be live at once ('limit'); the
+-- runs waiting behind them are its queue (realm:{wf}:queue:<key>, scored by arrival),
+-- and the workflow's queued index (realm:{wf}:queued) lists every waiting run.
+local function count_ids(ids)
+  local n = 0
+  for _ in string.gmatch(ids, '%S+') do
+    n = n + 1
+  end
+  return n
+end
+
+local function without_id(ids, id)
+  local kept = {}
+  for other in string.gmatch(ids, '%S+') do
+    if other ~= id then
+      kept[#kept + 1] = other
+    end
+  end
+  return table.concat(kept, ' ')
+end
+
+-- Before a script that may end a running run of a key writes anything: the id of the
+-- run its ending would start (the first of the key's queue) when the caller did not
+-- name its hash (q.next_id), else nil. Keys are never built here: the caller calls again
+-- naming it (one more round trip, only when a run waits).
+-- q: {queue, queued, next (the hash named), next_id, stream}, nil for a run without key.
+local function next_needed(q, pointer)
+  if not q or not redis.call('HGET', pointer, 'live') then
+    return nil
+  end
+  local head = redis.call('ZRANGE', q.queue, 0, 0)[1]
+  if head and head ~= q.next_id then
+    return head
+  end
+  return nil
+end
+
+-- Start the run first in the key's queue (its hash named: see next_needed): its first
+-- step goes to the runners, and the key points at it. Its id, or nil when none waits.
+local function start_next(q, pointer, keyruns, now)
+  local head = redis.call('ZRANGE', q.queue, 0, 0)[1]
+  if not head or head ~= q.next_id then
+    return nil
+  end
+  redis.call('ZREM', q.queue, head)
+  redis.call('ZREM', q.queued, head)
+  local run = redis.call('HMGET', q.next, 'phase', 'workflow', 'step', 'params', 'fp')
+  if run[1] ~= 'queued' then
+    return nil  -- its hash is gone (deleted by hand): the next ending starts the one after
+  end
+  local entry = redis.call('XADD', q.stream, '*', 'run_id', head, 'workflow', run[2],
+    'step', run[3], 'params', run[4])
+  redis.call('HSET', q.next, 'phase', 'running', 'updated_ms', now, 'started_ms', now,
+    'entry', entry)
+  redis.call('HSET', pointer, 'run', head, 'phase', 'running', 'step', run[3], 'fp', run[5])
+  redis.call('PERSIST', pointer)
+  redis.call('ZADD', keyruns, next_score(keyruns, select(2, server_time())), head)
+  redis.call('PERSIST', keyruns)
+  return head
+end
+
+-- End a live (or waiting) run: record its final phase, mirror it on the key pointer when
 -- the pointer still names this run, and start the retention clock on both.
 -- `pointer` and `keyruns` may be nil for a run started without a key. With the
 -- `stream`, the entry of the step it was at is acknowledged for the runners: no
--- step of an ended run is handed out (take_step.lua refuses one anyway).
-local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyruns, stream)
+-- step of an ended run is handed out (take_step.lua refuses one anyway). A run of a
+-- queued key frees its place: with `q`, the first waiting run starts in its stead;
+-- the key and its run set keep no TTL while any of its runs is live.
+local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyruns, stream, q)
   if stream then
     local entry = redis.call('HGET', run_key, 'entry')
     if entry then
@@ -86,10 +150,59 @@ local function end_run(run_key, run_id, phase, now, retention_ms, pointer, keyru
   redis.call('HSET', run_key, 'phase', phase, 'updated_ms', now, 'ended_ms', now)
   redis.call('HDEL', run_key, 'lease', 'lease_until')
   redis.call('PEXPIRE', run_key, retention_ms)
-  if pointer and redis.call('HGET', pointer, 'run') == run_id then
+  if not pointer then
+    return
+  end
+  local held = redis.call('HMGET', pointer, 'run', 'live', 'limit')
+  if held[2] then
+    local live = without_id(held[2], run_id)
+    local started = nil
+    if q and count_ids(live) < (tonumber(held[3]) or 1) then
+      started = start_next(q, pointer, keyruns, now)
+    end
+    if started then
+      live = live == '' and started or (live .. ' ' .. started)
+    end
+    redis.call('HSET', pointer, 'live', live)
+    if started then
+      return
+    end
+    if held[1] == run_id then
+      redis.call('HSET', pointer, 'phase', phase)
+    end
+    if live == '' then
+      -- The key's last live run ended (the pointer's, or one started beside it): the
+      -- key's retention starts now.
+      redis.call('PEXPIRE', pointer, retention_ms)
+      redis.call('PEXPIRE', keyruns, retention_ms)
+    end
+    return
+  end
+  if held[1] == run_id then
     redis.call('HSET', pointer, 'phase', phase)
     redis.call('PEXPIRE', pointer, retention_ms)
     redis.call('PEXPIRE', keyruns, retention_ms)
+  end
+end
+
+-- End a run that waits (queued or scheduled) and never started: it leaves its queue or
+-- the due index; a scheduled run's key says it was cancelled.
+local function end_waiting(run_key, run_id, phase, now, retention_ms, pointer, keyruns, q, due)
+  if q then
+    redis.call('ZREM', q.queue, run_id)
+    redis.call('ZREM', q.queued, run_id)
+  end
+  if due then
+    redis.call('ZREM', due, run_id)
+  end
+  redis.call('HSET', run_key, 'phase', phase, 'updated_ms', now, 'ended_ms', now)
+  redis.call('PEXPIRE', run_key, retention_ms)
+  if pointer and redis.call('HGET', pointer, 'run') == run_id then
+    redis.call('HSET', pointer, 'phase', phase)
+    if not redis.call('HGET', pointer, 'live') or redis.call('HGET', pointer, 'live') == '' then
+      redis.call('PEXPIRE', pointer, retention_ms)
+      redis.call('PEXPIRE', keyruns, retention_ms)
+    end
   end
 end
 
@@ -239,7 +352,7 @@ local function mark(k, a, outcome, run_id, rerun_of, done)
   for i, marker in ipairs(k.markers) do
     local mode = a.marks[i].mode
     if mode == 'order' then
-      if outcome == 'created' then
+      if outcome == 'created' or outcome == 'debounced' then
         redis.call('SET', marker, order_mark(a.marks[i].tag), 'PX', a.retention)
       end
     elseif mode == 'rate' then
@@ -264,16 +377,88 @@ local function unmark(k, placed)
   end
 end
 
+-- A start's flow (a.flow, '' when none): 'limit max keep debounce_ms max_wait_ms delay_ms'.
+-- limit: live runs per key under on_live_match 'queue'; max: runs that may wait; keep:
+-- 'all' or 'newest' (one waits, the latest); debounce_ms / delay_ms: the run is scheduled
+-- that long after the start (0: not); max_wait_ms: a debounced run's due time never
+-- goes past its creation plus this (0: no bound).
+local function parse_flow(text)
+  if not text or text == '' then
+    return nil
+  end
+  local limit, max, keep, debounce, max_wait, delay =
+    string.match(text, '^(%d+) (%d+) (%a+) (%d+) (%d+) (%d+)$')
+  return {limit = tonumber(limit), max = tonumber(max), keep = keep,
+          debounce = tonumber(debounce), max_wait = tonumber(max_wait), delay = tonumber(delay)}
+end
+
+-- A debounced start whose key names a scheduled run: that run takes this start's params
+-- and its due time moves to now + debounce, never past its creation + max_wait. Its
+-- markers name that run, so a redelivery of this event changes nothing.
+local function debounce(k, a, cur_id, cur_step, now)
+  local created = tonumber(redis.call('HGET', k.cur, 'created_ms')) or now
+  local due = now + a.flow.debounce
+  if a.flow.max_wait > 0 then
+    due = math.min(due, created + a.flow.max_wait)
+  end
+  redis.call('HSET', k.cur, 'params', a.params, 'fp', a.fp, 'due_ms', due, 'updated_ms', now)
+  redis.call('HSET', k.pointer, 'fp', a.fp)
+  redis.call('ZADD', k.due, due, cur_id)
+  mark(k, a, 'debounced', cur_id, '', {})
+  return {'scheduled', cur_id, 'scheduled', cur_step, '', '0', tostring(due)}
+end
+
+-- A start behind its key's live runs (on_live_match 'queue', the key at its limit): a
+-- run in phase 'queued' at the end of the key's queue, started by the ending that frees
+-- its place. keep 'newest' cancels the run that waited (one at most: its hash is named,
+-- k.qrun); keep 'all' refuses a start past max.
+local function enqueue(k, a, now, now_us, placed, gone, live)
+  local waiting = a.flow.keep == 'newest' and redis.call('ZRANGE', k.queue, 0, 0) or {}
+  if waiting[1] then
+    if a.qrun_id ~= waiting[1] then
+      unmark(k, placed)
+      return {'need_run', waiting[1], 'queued', '', '', '0'}
+    end
+    redis.call('HSET', k.qrun, 'phase', 'cancelled', 'updated_ms', now, 'ended_ms', now,
+      'error', 'superseded by run ' .. a.id .. ', queued after it (queue keep: newest)')
+    redis.call('PEXPIRE', k.qrun, a.retention)
+    redis.call('ZREM', k.queue, waiting[1])
+    redis.call('ZREM', k.queued, waiting[1])
+  elseif a.flow.keep == 'all' then
+    local count = redis.call('ZCARD', k.queue)
+    if count >= a.flow.max then
+      unmark(k, placed)
+      unmark(k, gone)
+      return {'queue_full', '', tostring(count), '', '', '0'}
+    end
+  end
+  redis.call('HSET', k.run,
+    'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'queued',
+    'step', a.first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
+    'created_ms', now, 'updated_ms', now, 'rerun_of', '')
+  redis.call('ZADD', k.index, now_us + a.seq, a.id)
+  redis.call('ZADD', k.queue, now_us + a.seq, a.id)
+  redis.call('ZADD', k.queued, now_us + a.seq, a.id)
+  -- The live runs it waits behind (a run started under another policy is listed here
+  -- first): each one's ending looks at the queue.
+  redis.call('HSET', k.pointer, 'live', live, 'limit', a.flow.limit)
+  mark(k, a, 'created', a.id, '', placed)
+  return {'queued', a.id, 'queued', a.first, '', '0'}
+end
+
 -- The claim for one start (the on_live_match / on_terminal_match policies): decide from the markers and the key
 -- pointer, and when the decision is a new run, write the run, its indexes, the
 -- pointer and the stream entry for the runners, all in this one script call.
 -- k: run, index, stream, pointer and keyruns (nil without a key), key_index (the
 --    workflow's index of keys), cur (the hash of the run the caller believes the
 --    pointer names, or nil), mrun (the hash of the run the caller was told a marker
---    names, or nil), markers (list of marker keys)
+--    names, or nil), markers (list of marker keys), queue (the key's queue), qrun (the
+--    hash of the run waiting in it, when named), queued (the workflow's queued index),
+--    due (the workflow's scheduled runs, by due time)
 -- a: id, workflow, key, params, fp, steps, first (step), on_live, on_terminal,
 --    on_mismatch, retention, seq (the item's place in a batch; 0 alone),
 --    cur_id (the run k.cur is the hash of, '' if none), mrun_id (likewise for k.mrun),
+--    qrun_id (for k.qrun), flow (parse_flow, or nil),
 --    resend ('1': this call may repeat one that ran, so look for the run a.id first),
 --    marks (per marker: {mode, tag}); mode is 'same' (a request id: its retry gets the
 --    first call's outcome), 'dedupe' (an event id: a redelivery is deduplicated),
@@ -281,13 +466,17 @@ end
 --    'order' (an entity's mark: see stale_against) or 'rate' (a rate limit's window:
 --    see window_full); at most one of each, after the others
 -- now: server time in ms; now_us: in microseconds.
--- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch}; see start_run.lua.
+-- Returns {outcome, run_id, phase, step, rerun_of, params_mismatch[, due_ms]}; see
+-- start_run.lua.
 local function claim(k, a, now, now_us)
   -- Caller-id check: this exact start already committed (its reply was lost). Only a
   -- resend can find it: a first try names a run id no call has used.
   if a.resend == '1' then
-    local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of')
+    local mine = redis.call('HMGET', k.run, 'phase', 'step', 'rerun_of', 'due_ms')
     if mine[1] then
+      if mine[1] == 'queued' or mine[1] == 'scheduled' then
+        return {mine[1], a.id, mine[1], mine[2] or '', mine[3] or '', '0', mine[4] or ''}
+      end
       return {'created', a.id, mine[1], mine[2] or '', mine[3] or '', '0'}
     end
   end
@@ -339,9 +528,15 @@ local function claim(k, a, now, now_us)
     end
   end
 
-  local rerun_of, cancel = '', nil
+  -- `live`: under on_live_match 'queue', the ids of the key's live runs, this one to be
+  -- added ('' when none); `wait`: the key is at its limit, so the start queues.
+  local rerun_of, cancel, live, wait = '', nil, nil, false
+  local queueing = a.on_live == 'queue' and k.pointer ~= nil
+  if queueing then
+    live = ''
+  end
   if k.pointer then
-    local cur = redis.call('HMGET', k.pointer, 'run', 'phase', 'step', 'fp')
+    local cur = redis.call('HMGET', k.pointer, 'run', 'phase', 'step', 'fp', 'live')
     local cur_id, cur_phase, cur_step = cur[1], cur[2], cur[3] or ''
     if cur_id and cur_id ~= a.cur_id then
       -- A repeat: every decision below names or ends the key's run, so the caller
@@ -363,7 +558,21 @@ local function claim(k, a, now, now_us)
         existing = 'conflict'
       end
       local refusal = nil
-      if cur_phase == 'running' then
+      if cur_phase == 'scheduled' then
+        -- The key's run has not started: a debounced start moves it; any other start
+        -- is deduplicated onto it (there is nothing to queue behind or to replace).
+        if a.flow and a.flow.debounce > 0 then
+          return debounce(k, a, cur_id, cur_step, now)
+        end
+        refusal = existing
+      elseif queueing and (cur[5] or '') ~= '' then
+        live = cur[5]
+        wait = count_ids(live) >= a.flow.limit
+      elseif queueing and cur_phase == 'running' then
+        -- Started under another policy: it holds the key's first place.
+        live = cur_id
+        wait = a.flow.limit <= 1
+      elseif cur_phase == 'running' then
         if a.on_live == 'use_existing' then
           refusal = existing
         elseif a.on_live == 'fail' then
@@ -379,7 +588,8 @@ local function claim(k, a, now, now_us)
       elseif a.on_terminal == 'rerun_if_failed' and cur_phase == 'completed' then
         refusal = existing
       end
-      -- Otherwise: rerun, or rerun_if_failed after a failed or cancelled run.
+      -- Otherwise: rerun, or rerun_if_failed after a failed or cancelled run (or a
+      -- queued key with room: this run joins its live ones).
       if refusal then
         if refusal == 'existing' then
           mark(k, a, 'existing', cur_id, '', {})
@@ -389,7 +599,9 @@ local function claim(k, a, now, now_us)
         end
         return {refusal, cur_id, cur_phase, cur_step, '', mismatch}
       end
-      rerun_of = cur_id
+      if live == nil or live == '' then
+        rerun_of = cur_id
+      end
     end
   end
 
@@ -403,18 +615,36 @@ local function claim(k, a, now, now_us)
       return {'rate_limited', '', tostring(wait_ms), '', '', '0'}
     end
   end
+  if wait then
+    return enqueue(k, a, now, now_us, placed, gone, live)
+  end
   if cancel then
     end_run(k.cur, cancel, 'cancelled', now, a.retention, k.pointer, k.keyruns, k.stream)
   end
 
   local first = a.first
-  local entry = redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow,
-    'step', first, 'params', a.params)
-  -- `entry`: the stream entry of the step the run is at, for the runners.
-  redis.call('HSET', k.run,
-    'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'running',
-    'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
-    'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'entry', entry)
+  -- A debounced or delayed start is scheduled: its first step goes to the runners when
+  -- it is due (start_due.lua, from the sweep).
+  local due = nil
+  if a.flow and (a.flow.debounce > 0 or a.flow.delay > 0) then
+    due = now + math.max(a.flow.debounce, a.flow.delay)
+  end
+  local phase = due and 'scheduled' or 'running'
+  if due then
+    redis.call('HSET', k.run,
+      'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', phase,
+      'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
+      'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'due_ms', due)
+    redis.call('ZADD', k.due, due, a.id)
+  else
+    local entry = redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow,
+      'step', first, 'params', a.params)
+    -- `entry`: the stream entry of the step the run is at, for the runners.
+    redis.call('HSET', k.run,
+      'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', phase,
+      'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
+      'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'entry', entry)
+  end
   -- The workflow's index orders listings only: the time (unique per script call,
   -- which takes more than a microsecond) plus the item's place in its batch.
   redis.call('ZADD', k.index, now_us + a.seq, a.id)
@@ -424,7 +654,12 @@ local function claim(k, a, now, now_us)
       -- seen for the first time has no pointer to delete.
       redis.call('DEL', k.pointer)
     end
-    redis.call('HSET', k.pointer, 'run', a.id, 'phase', 'running', 'step', first, 'fp', a.fp)
+    redis.call('HSET', k.pointer, 'run', a.id, 'phase', phase, 'step', first, 'fp', a.fp)
+    if live then
+      redis.call('HSET', k.pointer, 'live', live == '' and a.id or (live .. ' ' .. a.id),
+        'limit', a.flow.limit)
+      redis.call('PERSIST', k.pointer)
+    end
     -- The key index: reconcile walks it instead of the keyspace, the sweep drops a key
     -- once its pointer and run set are gone. Scored by this claim's time, like the run
     -- index: the sweep looks only at keys claimed more than a retention ago (a group
@@ -446,5 +681,8 @@ local function claim(k, a, now, now_us)
     end
   end
   mark(k, a, 'created', a.id, rerun_of, rerun_of == '' and placed or {})
-  return {'created', a.id, 'running', first, rerun_of, '0'}
+  if due then
+    return {'scheduled', a.id, phase, first, rerun_of, '0', tostring(due)}
+  end
+  return {'created', a.id, phase, first, rerun_of, '0'}
 end

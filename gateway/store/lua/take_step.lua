@@ -9,11 +9,15 @@ KEYS[1]  run hash                      realm:{wf}:run:<id>
 KEYS[2]  stream the runners read       realm:{wf}:stream
 KEYS[3]  key pointer (optional)        realm:{wf}:key:<key>      (after a need_key reply)
 KEYS[4]  runs of this key (with 3)     realm:{wf}:keyruns:<key>
+KEYS[5]  the key's queue (with 3)      realm:{wf}:queue:<key>
+KEYS[6]  hash of the run first in the queue, once a `need_next` reply named it (with 3)
+KEYS[7]  the workflow's queued runs (with 3)   realm:{wf}:queued
 
 ARGV[1] the entry's id   ARGV[2] the entry's step   ARGV[3] the lease token (new)
 ARGV[4] lease length in ms   ARGV[5] the runner (the group's consumer that read it)
 ARGV[6] the horizon in ms: the idle time after which runners re-claim pending entries
 ARGV[7] the workflow's max attempts   ARGV[8] retention in ms (for a run this fails)
+ARGV[9] run id KEYS[6] is the hash of ('' = none)
 
 Reply: {outcome, attempt, params, output, lease_until}
   taken      the step is the runner's until lease_until (server ms): attempt n of the
@@ -28,12 +32,17 @@ Reply: {outcome, attempt, params, output, lease_until}
              with an error saying so, and the entry acknowledged
   need_key   nothing written: the run has an idempotency key (params says which) and
              must be failed: call again with its pointer and run set as KEYS[3], KEYS[4]
+             (and its queue, KEYS[5])
+  need_next  nothing written: the run is to be failed and its key's queue has a run
+             waiting (params names it): call again with its hash as KEYS[6], ARGV[9]
 ]]
 
 local run_key, stream, pointer, keyruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local entry_id, step, token, lease_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local runner, horizon_ms = ARGV[5], tonumber(ARGV[6])
 local max_attempts, retention_ms = tonumber(ARGV[7]), ARGV[8]
+local q = pointer and {queue = KEYS[5], next = KEYS[6], queued = KEYS[7], next_id = ARGV[9] or '',
+  stream = stream} or nil
 
 local run = redis.call('HMGET', run_key,
   'id', 'phase', 'step', 'entry', 'lease', 'lease_until', 'attempt', 'params', 'output', 'key')
@@ -57,12 +66,16 @@ if attempt >= max_attempts then
   if key ~= '' and not pointer then
     return {'need_key', '0', key, '', '0'}
   end
+  local waiting = next_needed(q, pointer)
+  if waiting then
+    return {'need_next', '0', waiting, '', '0'}
+  end
   if run[5] and run[5] ~= '' then
     redis.call('HSET', run_key, 'error', string.format(
       "the lease on step '%s' lapsed on its last attempt (%d of %d): its runner neither "
       .. 'reported nor extended it in time', step, attempt, max_attempts))
   end
-  end_run(run_key, run[1], 'failed', now, retention_ms, pointer, keyruns, stream)
+  end_run(run_key, run[1], 'failed', now, retention_ms, pointer, keyruns, stream, q)
   return {'exhausted', tostring(attempt), '', '', '0'}
 end
 attempt = attempt + 1
