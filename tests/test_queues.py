@@ -23,6 +23,7 @@ from gateway.ingest.dryrun import dry_run
 from gateway.ingest.triggers import parse_triggers
 from gateway.loading import parse_config
 from gateway.model.errors import ConfigError, RealmError
+from gateway.store.reconcile import reconcile
 from gateway.store.runs import Flow
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import sweep
@@ -452,3 +453,18 @@ async def test_triggers_test_says_a_delivery_would_queue(redis: Redis) -> None:
         "is live)"
     )
     assert await redis.zcard(store.keys("build").runs()) == 1
+
+
+async def test_a_repaired_pointer_keeps_its_queue_going(store: RunStore) -> None:
+    """Reconcile rewrites a pointer that names the wrong run: the key's live runs and
+    limit stay, so the queued run still starts when the live one ends."""
+    first = await start(store, 0)
+    waiting = await start(store, 1)
+    pointer = store.keys(WF).pointer(KEY)
+    await store.redis.hset(pointer, "run", "00000000-0000-4000-8000-000000000000")
+    report = await reconcile(store, dry_run=False)
+    assert report.written == 1
+    assert (await store.redis.hget(pointer, "run")).decode() == first.run_id
+    assert (await store.redis.hget(pointer, "live")).decode() == first.run_id
+    await store.complete_step(first.run_id, "only")
+    assert (await store.get_run(waiting.run_id)).phase == "running"

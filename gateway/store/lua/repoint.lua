@@ -105,9 +105,14 @@ end
 
 local run_key = run_key_of[target]
 local run = redis.call('HMGET', run_key, 'phase', 'step', 'fp')
+-- A queued key's live runs and limit stay with the key: its queue's next start needs them.
+local queueing = redis.call('HMGET', pointer, 'live', 'limit')
 redis.call('DEL', pointer)
 redis.call('HSET', pointer, 'run', target, 'phase', run[1] or '', 'step', run[2] or '',
   'fp', run[3] or '')
+if queueing[1] then
+  redis.call('HSET', pointer, 'live', queueing[1], 'limit', queueing[2] or '1')
+end
 local ttl = redis.call('PTTL', run_key)
 if ttl > 0 then
   redis.call('PEXPIRE', pointer, ttl)
