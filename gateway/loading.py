@@ -21,6 +21,7 @@ from gateway.model.errors import ConfigError
 from gateway.model.parse import clip, parse_settings, parse_workflows
 from gateway.model.words import did_you_mean, noun
 from gateway.runners.handlers import parse_handlers
+from gateway.signatures.schemes import PLACEHOLDER_SECRET
 
 TOP_FIELDS = {"version", "workflows", "triggers", "settings"}
 
@@ -48,10 +49,8 @@ class _PlaceholderSecrets(Mapping[str, str]):
     environment of the machine it is checked on (a CI job has no production secrets).
     The placeholder never verifies anything: such a config is for checking only."""
 
-    _PLACEHOLDER = "whsec_cGxhY2Vob2xkZXI="
-
     def __getitem__(self, name: str) -> str:
-        return self._PLACEHOLDER
+        return PLACEHOLDER_SECRET
 
     def __iter__(self) -> Iterator[str]:
         return iter(())

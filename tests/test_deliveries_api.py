@@ -244,7 +244,7 @@ def test_filters_by_path_status_outcome_and_since(
         (
             {"outcome": "lost"},
             "outcome must be one of started, queued, scheduled, deduplicated, refused, stale, "
-            "rate_limited, ignored, unverified, accepted (got 'lost')",
+            "rate_limited, handshake, ignored, unverified, accepted (got 'lost')",
         ),
         ({"path": "hooks/git"}, "path must start with '/' (got 'hooks/git')"),
         (

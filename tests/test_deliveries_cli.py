@@ -271,9 +271,8 @@ def test_filters_and_bad_values(realm: Realm, listener: Listener, db: redis.Redi
          "Error: --status must be an HTTP status like 202 or a class like 4xx (got '2x')\n"),
         (("--path", "hooks"), "Error: --path must start with '/' (got 'hooks')\n"),
         (("--outcome", "lost"), "Error: --outcome must be one of started, queued, scheduled, "
-                                "deduplicated, "
-                                "refused, stale, rate_limited, ignored, unverified, accepted "
-                                "(got 'lost')\n"),
+                                "deduplicated, refused, stale, rate_limited, handshake, "
+                                "ignored, unverified, accepted (got 'lost')\n"),
     ]:  # fmt: skip
         bad = realm("list", *args)
         assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", error), args

@@ -307,7 +307,7 @@ async def test_filters_select_by_path_status_outcome_and_time(log_store: RunStor
         (
             {"outcome": "lost"},
             "outcome must be one of started, queued, scheduled, deduplicated, refused, stale, "
-            "rate_limited, ignored, unverified, accepted (got 'lost')",
+            "rate_limited, handshake, ignored, unverified, accepted (got 'lost')",
         ),
         ({"path": "hooks"}, "path must start with '/' (got 'hooks')"),
     ]:

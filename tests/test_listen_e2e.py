@@ -626,7 +626,7 @@ def test_unknown_path_is_404_and_get_is_405(http, db):
 
     reply = http.get("/hooks/github")
     assert reply.status_code == 405
-    assert error_body(reply) == ("METHOD_NOT_ALLOWED", "webhook routes take POST only")
+    assert error_body(reply) == ("METHOD_NOT_ALLOWED", "this webhook path takes POST only")
     assert "POST" in reply.headers["allow"]
     assert run_state_size(db) == 0
 

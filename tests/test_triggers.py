@@ -284,10 +284,11 @@ def test_null_optional_fields_are_errors(name: str) -> None:
 def test_unknown_field_lists_allowed_fields() -> None:
     err = trigger_error(retries=3)
     assert str(err) == (
-        "triggers.yaml: trigger 't': field 'retries': unknown field; allowed fields: "
+        "triggers.yaml: trigger 't': field 'retries': unknown field (did you mean 'stripe'?); "
+        "allowed fields: "
         "workflow, path, verify, when, event_id, key, params, on_live_match, "
         "on_terminal_match, on_params_mismatch, replay_guard, order, rate_limit, queue, "
-        "concurrency, debounce, delay"
+        "concurrency, debounce, delay, methods, respond, stripe"
     )
 
 

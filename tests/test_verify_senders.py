@@ -499,7 +499,8 @@ def test_unknown_scheme_lists_the_new_ones() -> None:
         parse_verify({"scheme": "svix", "secret_env": "GOOD"}, file=FILE, trigger="x", env=ENV)
     assert str(info.value).endswith(
         "unknown scheme 'svix'; one of github, stripe, standard, hmac, token, none, "
-        "slack, shopify, gitlab"
+        "slack, shopify, gitlab, zoom, meta, paddle, linear, square, twilio, twitter, "
+        "discord, sns"
     )
 
 

@@ -59,8 +59,8 @@ def _checked_filter(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option(
     "--outcome", default=None, callback=_checked_filter,
     help="Only deliveries where at least one trigger had this outcome: started, queued, "
-         "scheduled, deduplicated, refused, stale, rate_limited, ignored, unverified or accepted "
-         "(spooled, not yet claimed).",
+         "scheduled, deduplicated, refused, stale, rate_limited, handshake, ignored, unverified "
+         "or accepted (spooled, not yet claimed).",
 )  # fmt: skip
 @click.option(
     "--since", "since_ms", default=None, callback=_checked_filter,

@@ -13,6 +13,7 @@ from gateway.cli.listen import listen
 from gateway.cli.mcp import mcp
 from gateway.cli.recover import recover
 from gateway.cli.runs import run
+from gateway.cli.send import send
 from gateway.cli.triggers import triggers
 from gateway.cli.work import work
 
@@ -23,5 +24,5 @@ def main() -> None:
     """Realm Gateway: verified webhooks become exactly-once workflow runs."""
 
 
-for command in (run, listen, mcp, triggers, work, deliveries, recover):
+for command in (run, listen, mcp, triggers, work, deliveries, recover, send):
     main.add_command(command)

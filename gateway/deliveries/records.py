@@ -47,7 +47,7 @@ DELIVERY_ID = re.compile(r"dlv-[0-9a-f]{12}-[0-9a-f]{8}")
 # stale: an ordered trigger's event older than one that started a run for its entity.
 # rate_limited: past its trigger's rate limit; nothing recorded, a redelivery may start.
 OUTCOMES = ("started", "queued", "scheduled", "deduplicated", "refused", "stale",
-            "rate_limited", "ignored", "unverified", "accepted")  # fmt: skip
+            "rate_limited", "handshake", "ignored", "unverified", "accepted")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,12 @@ def check_delivery_id(delivery_id: str) -> None:
 def verify_fingerprint(spec: VerifySpec) -> str:
     """Who could have signed for a trigger: its scheme and the names of the variables
     holding its secrets (in any order), hashed. Never a secret's value: a rotated value
-    under the same name keeps the fingerprint, a renamed or added secret changes it."""
-    return _fingerprint(spec.scheme, frozenset(spec.secret_env))
+    under the same name keeps the fingerprint, a renamed or added secret changes it.
+    An SNS trigger, which holds no secret, is named by the topics it takes."""
+    names = frozenset(spec.secret_env)
+    if spec.sns is not None:
+        names |= frozenset(f"topic {arn}" for arn in spec.sns.topic_arns)
+    return _fingerprint(spec.scheme, names)
 
 
 @functools.lru_cache(maxsize=256)

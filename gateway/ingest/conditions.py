@@ -1,5 +1,7 @@
-"""``when`` conditions, compiled: a header or JSONPath and one test (equals, in,
-exists, matches), compared as JSON compares, with the reason when one does not hold.
+"""``when`` conditions, compiled: a header, a JSONPath or (for a ``respond`` rule) a
+query parameter, and one test (equals, in, exists, matches), compared as JSON compares
+(headers and query parameters as the text they are), with the reason when one does
+not hold.
 
 Pure code: no I/O. Conditions are compiled once at start-up (by
 ``gateway.ingest.triggers``); the request path only evaluates them.
@@ -11,6 +13,7 @@ with a field name, is the caller's job.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -26,23 +29,31 @@ TESTS: tuple[str, ...] = get_args(Test)
 
 @dataclass(frozen=True, slots=True)
 class Condition:
-    """One ``when`` item: a source (header or JSONPath) and one test."""
+    """One ``when`` item: a source (header, JSONPath or query parameter) and one test."""
 
-    header: str | None  # exactly one of header / path is set
+    header: str | None  # exactly one of header / path / query is set
     path: Path | None
     test: Test
     operand: object
     pattern: re.Pattern[str] | None = field(default=None, repr=False, compare=False)
+    query: str | None = None
 
     @property
     def source(self) -> str:
+        if self.query is not None:
+            return f"query parameter {self.query}"
         return f"header {self.header}" if self.path is None else f"jsonpath {self.path.expr}"
 
-    def check(self, headers: HeaderLookup, doc: object) -> str | None:
+    def check(
+        self, headers: HeaderLookup, doc: object, query: Mapping[str, str] | None = None
+    ) -> str | None:
         """None when the condition holds, else a reason fit for a log line or reply."""
         found: bool
         value: object
-        if self.header is not None:
+        if self.query is not None:
+            got = (query or {}).get(self.query)
+            found, value = got is not None, got
+        elif self.header is not None:
             raw = headers.get(self.header.lower())
             found, value = raw is not None, raw
         else:
@@ -62,8 +73,8 @@ class Condition:
         if self.test == "matches":
             assert self.pattern is not None
             return isinstance(value, str) and self.pattern.search(value) is not None
-        if self.header is not None:
-            # Header operands were turned to strings at compile time.
+        if self.path is None:
+            # Header and query operands were turned to strings at compile time.
             if self.test == "equals":
                 return value == self.operand
             return value in self.operand  # type: ignore[operator]
@@ -81,17 +92,22 @@ class Condition:
 
 
 def compile_condition(
-    *, header: str | None = None, path: Path | None = None, test: Test, operand: object
+    *,
+    header: str | None = None,
+    path: Path | None = None,
+    query: str | None = None,
+    test: Test,
+    operand: object,
 ) -> Condition:
     """Build a condition. Raises ValueError when the operand does not fit the test."""
-    if (header is None) == (path is None):
+    if sum(source is not None for source in (header, path, query)) != 1:
         raise ValueError("needs exactly one source: header or jsonpath")
     if header is not None and not is_header_name(header):
         raise ValueError(f"{header!r} is not a valid header name")
     if test == "exists":
         if not isinstance(operand, bool):
             raise ValueError("must be true or false")
-        return Condition(header, path, test, operand)
+        return Condition(header, path, test, operand, query=query)
     if test == "matches":
         if not isinstance(operand, str):
             raise ValueError("must be a regular expression string")
@@ -99,14 +115,14 @@ def compile_condition(
             pattern = re.compile(operand)
         except re.error as exc:
             raise ValueError(f"invalid regular expression {operand!r}: {exc}") from None
-        return Condition(header, path, test, operand, pattern)
+        return Condition(header, path, test, operand, pattern, query=query)
     if test == "in":
         if not isinstance(operand, list) or not operand:
             raise ValueError("must be a non-empty list of values")
-        values = tuple(_operand(v, header is not None) for v in operand)
-        return Condition(header, path, test, values)
+        values = tuple(_operand(v, path is None) for v in operand)
+        return Condition(header, path, test, values, query=query)
     if test == "equals":
-        return Condition(header, path, test, _operand(operand, header is not None))
+        return Condition(header, path, test, _operand(operand, path is None), query=query)
     raise ValueError(f"unknown test {test!r}; one of {', '.join(TESTS)}")
 
 

@@ -13,13 +13,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.ingest import replies
+import orjson
+
+from gateway.ingest import handshakes, replies, sns_certs
 from gateway.ingest.body import BodyError, parse_body
 from gateway.ingest.idempotency import ExtractError
 from gateway.ingest.ordering import OrderValue
 from gateway.ingest.triggers import Extracted, Trigger
 from gateway.ingest.values import HeaderLookup
 from gateway.model.errors import RealmError, StoreUnavailable
+from gateway.signatures.sns import Certificates
 from gateway.signatures.spec import VerifySpec
 from gateway.signatures.verify import verify
 from gateway.store.runs import WAITING, StartResult, canonical_params, check_key, fingerprint_of
@@ -93,6 +96,10 @@ class Reply:
     body: dict[str, Any]
     results: list[TriggerResult] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
+    # A handshake's answer is sent as the sender asked for it (``raw``, of
+    # ``content_type``); ``body`` then says what it was, for the delivery log.
+    raw: bytes | None = None
+    content_type: str = "application/json"
     # Whether the delivery's signature passed (the delivery log keeps the headers
     # and body of a verified delivery only).
     verified: bool = False
@@ -123,6 +130,7 @@ async def handle(
     rerun: bool = False,
     dry_run: bool = False,
     signatures: Mapping[str, str | None] | None = None,
+    query: Mapping[str, str] | None = None,
 ) -> Reply:
     """The reply to one delivery. ``bounded=False``: the caller bounds the whole
     call with its own timer, so the store's per-claim deadline is skipped.
@@ -154,7 +162,8 @@ async def handle(
                 result.signature, result.outcome, result.status = why, "unverified", 401
     else:
         if signatures is None:
-            signatures = check_signatures(triggers, headers, body)
+            certificates = await sns_certs.prepare_delivery([t.verify for t in triggers], body)
+            signatures = check_signatures(triggers, headers, body, certificates)
         for result, trigger in zip(walk, triggers, strict=True):
             reason = signatures[trigger.name]
             if reason is None:
@@ -172,10 +181,17 @@ async def handle(
         reply.walk = walk
         return reply
 
-    # 2. Parse, once.
+    # 2. Parse, once. A sender's handshake (an endpoint check) is answered now,
+    #    writing nothing; some have no body to parse (Microsoft Graph's validationToken).
     try:
-        doc = parse_body(body, content_type)
+        doc, unparsed = parse_body(body, content_type), None
     except BodyError as exc:
+        doc, unparsed = None, exc
+    shaken = await _handshake(passed, walk, headers, doc, query or {}, dry_run)
+    if shaken is not None:
+        return shaken
+    if unparsed is not None:
+        exc = unparsed
         reply = error_reply(400, "VALIDATION_BODY", f"body is not parseable: {exc}")
         for result, _ in passed:  # no trigger can match a body that does not parse
             result.outcome, result.status = "refused", 400
@@ -192,6 +208,10 @@ async def handle(
         if why_not is not None:
             result.why_not = why_not
             result.message = f"not matched: {why_not}"
+            continue
+        wrong_mode = trigger.stripe.refusal(doc) if trigger.stripe is not None else None
+        if wrong_mode is not None:
+            _refuse(result, wrong_mode)
             continue
         try:
             extracted = trigger.extract(headers, doc, body)
@@ -268,18 +288,22 @@ async def handle(
 
 
 def check_signatures(
-    triggers: Sequence[Trigger], headers: HeaderLookup, body: bytes
+    triggers: Sequence[Trigger],
+    headers: HeaderLookup,
+    body: bytes,
+    certificates: Certificates | None = None,
 ) -> dict[str, str | None]:
     """Per trigger name: None when the delivery's signature verifies under that
     trigger's spec, else why not. Triggers of one path usually share one scheme;
-    each distinct spec is checked once."""
+    each distinct spec is checked once. ``certificates``: what an ``sns`` trigger's
+    check needs, fetched before (``gateway.ingest.sns_certs.prepare_delivery``)."""
     now = time.time()
     checked: dict[int, str | None] = {}
     out: dict[str, str | None] = {}
     for trigger in triggers:
         spec: VerifySpec = trigger.verify
         if id(spec) not in checked:
-            checked[id(spec)] = verify(spec, headers, body, now)
+            checked[id(spec)] = verify(spec, headers, body, now, certificates)
         out[trigger.name] = checked[id(spec)]
     return out
 
@@ -459,6 +483,53 @@ def _claimed(result: TriggerResult, started: StartResult) -> None:
         result.outcome, result.status = started.phase, 202
     else:
         result.outcome, result.status = "started", 202
+
+
+async def _handshake(
+    passed: list[tuple[TriggerResult, Trigger]],
+    walk: list[TriggerResult],
+    headers: HeaderLookup,
+    doc: object,
+    query: Mapping[str, str],
+    dry_run: bool,
+) -> Reply | None:
+    """The reply when this verified delivery is a sender's handshake for one of the
+    triggers that verified it (the first, in the file's order), else None."""
+    for result, trigger in passed:
+        answer = handshakes.answer_post(trigger, headers, doc, query)
+        if answer is None and handshakes.is_sns_confirmation(trigger, doc):
+            answer = await _confirm_subscription(trigger, doc, dry_run)
+        if answer is not None:
+            return handshake_reply(answer, result, walk)
+    return None
+
+
+async def _confirm_subscription(trigger: Trigger, doc: Any, dry_run: bool) -> handshakes.Answer:
+    """A verified SNS SubscriptionConfirmation: its SubscribeURL visited (not in a dry
+    run). When SNS does not confirm it, 502: SNS sends the confirmation again."""
+    what = "sns subscription confirmation"
+    if dry_run:
+        return handshakes.Answer(200, b'{"status":"ok"}', "application/json", what)
+    why = await sns_certs.visit_subscribe_url(trigger.verify, doc.get("SubscribeURL"))
+    if why is None:
+        return handshakes.Answer(200, b'{"status":"ok"}', "application/json", what)
+    body = {"status": "error", "code": "SNS_CONFIRMATION_FAILED",
+            "message": f"the subscription could not be confirmed: {why}"}  # fmt: skip
+    return handshakes.Answer(502, orjson.dumps(body), "application/json", what)
+
+
+def handshake_reply(
+    answer: handshakes.Answer, result: TriggerResult, walk: list[TriggerResult]
+) -> Reply:
+    """A handshake's answer as a reply: sent as the sender asked for it, recorded as
+    ``outcome: handshake`` (the other triggers of the path: ignored)."""
+    result.outcome, result.status = "handshake", answer.status
+    result.message = f"answered the sender's handshake ({answer.what}); nothing was started"
+    body = {"status": "ok", "outcome": "handshake", "handshake": answer.what}
+    return Reply(
+        answer.status, body, [result], verified=True, walk=walk, raw=answer.body,
+        content_type=answer.content_type,
+    )  # fmt: skip
 
 
 _OUTCOMES_OF = {STATE_EVENT_STALE: "stale", STATE_RATE_LIMITED: "rate_limited"}

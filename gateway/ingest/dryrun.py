@@ -67,6 +67,9 @@ def _entry(reply: Reply, step: TriggerResult) -> dict[str, Any]:
     if reply.status == 400:
         entry["result"] = f"400: {reply.body['message']}"
         return entry
+    if step.outcome == "handshake":
+        entry["result"] = f"{step.status}: {step.message}"
+        return entry
     entry["matched"] = bool(step.matched)
     if not step.matched:
         entry["result"] = f"ignored: {step.why_not}"
@@ -75,6 +78,7 @@ def _entry(reply: Reply, step: TriggerResult) -> dict[str, Any]:
         entry.update(event_id=step.event_id, key=step.key, params=step.params)
     if step.outcome in ("refused", "stale", "rate_limited"):
         entry["result"] = f"{step.status}: {step.code}: {step.message}"
+
     elif step.outcome == "unknown":
         entry["result"] = f"claim unknown: {step.message}"
     else:

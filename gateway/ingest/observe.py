@@ -40,7 +40,7 @@ DELIVERIES = Counter(
 OUTCOMES = Counter(
     "realm_trigger_outcomes_total",
     "Per trigger of a delivery: started, queued, scheduled, deduplicated, stale, "
-    "rate_limited, refused or ignored",
+    "rate_limited, handshake, refused or ignored",
     ["trigger", "workflow", "outcome"],
 )
 LATENCY = Histogram(

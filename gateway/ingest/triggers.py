@@ -17,6 +17,7 @@ from typing import NoReturn
 from gateway.ingest.body import BodyError, FormFields, parse_body
 from gateway.ingest.conditions import TESTS, Condition, compile_condition
 from gateway.ingest.flows import compile_flow
+from gateway.ingest.handshakes import Respond, StripeRules, compile_handshakes
 from gateway.ingest.idempotency import (
     MISSING,
     VALIDATION_EVENT_ID,
@@ -73,6 +74,9 @@ FIELDS = (
     "concurrency",
     "debounce",
     "delay",
+    "methods",
+    "respond",
+    "stripe",
 )
 _RATE_FIELDS = ("limit", "period", "key")
 _ORDER_FIELDS = ("by", "key", "ties", "rank")
@@ -121,6 +125,10 @@ class Trigger:
     # How a start waits: behind its key's live runs (queue, concurrency), or until a due
     # time (debounce, delay); None: it starts at once or not at all (docs/triggers.md).
     flow: Flow | None = None
+    # The methods it takes, its handshake reply, Stripe's mode (gateway/ingest/handshakes.py).
+    methods: tuple[str, ...] = ("POST",)
+    respond: Respond | None = None
+    stripe: StripeRules | None = None
 
     @functools.cached_property
     def headers_read(self) -> frozenset[str]:
@@ -323,12 +331,14 @@ class _TriggerParser:
                     else ""
                 )
                 self.fail(required, f"is required{hint}")
+        # parse_verify names file, trigger and `verify.*` field itself.
+        verify = parse_verify(raw["verify"], file=self.file, trigger=self.name, env=self.env)
+        methods, respond, stripe = compile_handshakes(self, raw, verify.scheme)
         return Trigger(
             name=self.name,
             workflow=self.workflow(raw["workflow"]),
             path=self.path(raw["path"]),
-            # parse_verify names file, trigger and `verify.*` field itself.
-            verify=parse_verify(raw["verify"], file=self.file, trigger=self.name, env=self.env),
+            verify=verify,
             when=self.when(raw["when"]) if "when" in raw else (),
             event_id=self.event_id(raw["event_id"]),
             key=self.key(raw.get("key", _DEFAULT_KEY)),
@@ -340,6 +350,9 @@ class _TriggerParser:
             order=self.order(raw["order"]) if "order" in raw else None,
             rate_limit=self.rate_limit(raw["rate_limit"]) if "rate_limit" in raw else None,
             flow=compile_flow(self, raw),
+            methods=methods,
+            respond=respond,
+            stripe=stripe,
         )
 
     def rate_limit(self, raw: object) -> RateLimitSpec:

@@ -14,12 +14,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 import orjson
 from redis import exceptions as redis_errors
 from starlette.applications import Starlette
 
-from gateway.ingest import delivery
+from gateway.ingest import delivery, handshakes, sns_certs
 from gateway.ingest.deadlines import Deadlines
 from gateway.ingest.ingress import IngressGate
 from gateway.ingest.observe import DeliveryLog
@@ -165,10 +166,16 @@ class Webhooks:
             state["store"] = serving.store
             triggers = serving.by_path.get(scope["path"])
             if triggers is not None:
-                if scope["method"] == "POST":
-                    await self._deliver(scope, receive, send, triggers, serving)
+                # Each trigger takes the methods it declares (POST; GET for a sender's
+                # handshake): a method none of the path's triggers takes is refused.
+                method = scope["method"]
+                taking = [t for t in triggers if method in t.methods]
+                if method == "POST" and taking:
+                    await self._deliver(scope, receive, send, taking, serving)
+                elif method == "GET" and taking:
+                    await self._handshake(scope, send, taking)
                 else:
-                    await _reply(send, _post_only())
+                    await _reply(send, _not_allowed(triggers))
                 return
         await self.app(scope, receive, send)
 
@@ -211,8 +218,15 @@ class Webhooks:
             else:
                 body = read
                 # Verified first, whatever follows: only a verified delivery may be
-                # spooled when Redis cannot take it.
-                signatures = delivery.check_signatures(triggers, headers, read)
+                # spooled when Redis cannot take it. An SNS message's signing
+                # certificate is fetched first (once per worker and URL: cached).
+                certificates = None
+                if any(t.verify.scheme == "sns" for t in triggers):
+                    self.deadlines.set(task, sns_certs.FETCH_TIMEOUT + 1)
+                    certificates = await sns_certs.prepare_delivery(
+                        [t.verify for t in triggers], read
+                    )
+                signatures = delivery.check_signatures(triggers, headers, read, certificates)
                 if self.in_flight >= settings.max_in_flight:
                     reply = _overloaded(
                         f"more than {settings.max_in_flight} deliveries in flight; retry"
@@ -268,6 +282,30 @@ class Webhooks:
                     received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
                     serving.version, triggers, scope["headers"], body,
                     delivery_id=delivery_id,
+                )
+            )  # fmt: skip
+        await _reply(send, reply)
+
+    async def _handshake(self, scope: Scope, send: Send, triggers: Sequence[Trigger]) -> None:
+        """A GET: a sender's handshake (meta's subscription check, twitter's CRC, a
+        respond rule), answered at once and recorded; never a delivery."""
+        started = time.perf_counter()
+        received_ms = int(time.time() * 1000)
+        headers = RequestHeaders(scope["headers"])
+        answer = handshakes.answer_get(triggers, headers, _query(scope))
+        walk = [delivery.TriggerResult(t.name, t.workflow, "ignored", 200) for t in triggers]
+        if answer.trigger is not None:
+            result = walk[[t.name for t in triggers].index(answer.trigger)]
+            reply = delivery.handshake_reply(answer, result, walk)
+        else:
+            reply = delivery.Reply(answer.status, orjson.loads(answer.body), walk=walk)
+        self.delivery_log.observe(scope["path"], reply, started)
+        serving = self.serving
+        if self.recorder is not None and serving is not None:
+            self.recorder.add(
+                Received(
+                    received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
+                    serving.version, triggers, scope["headers"], b"",
                 )
             )  # fmt: skip
         await _reply(send, reply)
@@ -350,7 +388,7 @@ class Webhooks:
             # bounded=False: _deliver's deadline already bounds the claims.
             return await delivery.handle(
                 serving.store, triggers, headers, headers.get("content-type"), body,
-                bounded=False, signatures=signatures,
+                bounded=False, signatures=signatures, query=_query(scope),
             )  # fmt: skip
         except StoreUnavailable as exc:
             # Redis said "not now" (or did not answer) on a path other than a claim's.
@@ -370,9 +408,9 @@ class Webhooks:
 
 
 async def _reply(send: Send, reply: delivery.Reply) -> None:
-    payload = orjson.dumps(reply.body)
+    payload = orjson.dumps(reply.body) if reply.raw is None else reply.raw
     raw_headers = [
-        (b"content-type", b"application/json"),
+        (b"content-type", reply.content_type.encode("latin-1")),
         (b"content-length", str(len(payload)).encode()),
         *((k.lower().encode(), v.encode()) for k, v in reply.headers.items()),
     ]
@@ -380,10 +418,29 @@ async def _reply(send: Send, reply: delivery.Reply) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def _post_only() -> delivery.Reply:
+def _not_allowed(triggers: Sequence[Trigger]) -> delivery.Reply:
+    allowed = [m for m in handshakes.METHODS if any(m in t.methods for t in triggers)]
     return delivery.error_reply(
-        405, "METHOD_NOT_ALLOWED", "webhook routes take POST only", Allow="POST"
+        405,
+        "METHOD_NOT_ALLOWED",
+        f"this webhook path takes {' and '.join(allowed)} only",
+        Allow=", ".join(allowed),
     )
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    """The request's query parameters, the first of each name (a handshake's tokens)."""
+    raw = scope.get("query_string", b"")
+    if not raw:
+        return {}
+    try:
+        pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, max_num_fields=100)
+    except ValueError:  # more fields than any handshake sends: none is read
+        return {}
+    query: dict[str, str] = {}
+    for name, value in pairs:
+        query.setdefault(name, value)
+    return query
 
 
 def _too_large(limit: int) -> delivery.Reply:

@@ -277,11 +277,15 @@ def build_handlers(
                 raise ConfigError(file, f"environment variable {spec.secret_env} is not set",
                                   section="workflow", name=workflow, field=field_name)  # fmt: skip
             try:
+                if not value.startswith(("whsec_", "whsk_")):
+                    # A public key (whpk_) verifies; it cannot sign a step's request.
+                    raise ValueError("not a signing secret")
                 signer = VerifySpec(scheme="standard", secret_env=(spec.secret_env,),
                                     secrets=(value,))  # fmt: skip
             except ValueError:
                 raise ConfigError(
-                    file, f"{spec.secret_env} does not hold a whsec_ secret (whsec_ + base64)",
+                    file, f"{spec.secret_env} does not hold a whsec_ secret (whsec_ + base64) "
+                    "or a whsk_ signing key",
                     section="workflow", name=workflow, field=field_name,
                 ) from None  # fmt: skip
             out.handlers[key] = _http_handler(spec, signer, out._shared)

@@ -10,18 +10,24 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from gateway.model.errors import ConfigError
+from gateway.signatures.ed25519 import WHPK, WHSK, is_asymmetric, key_problem
 from gateway.signatures.schemes import (
     ALGORITHMS,
     DEFAULT_TOLERANCE,
     ENCODINGS,
     PRESETS,
     SCHEMES,
+    TOLERANCES,
+    URL_SCHEMES,
     WHSEC,
     is_header_name,
     standard_key,
 )
+from gateway.signatures.sns import ALLOWED_KEYS as SNS_KEYS
+from gateway.signatures.sns import parse_sns
 from gateway.signatures.spec import TIMESTAMP_DOT_BODY, VerifySpec, compile_payload
 
 __all__ = ["parse_verify"]
@@ -49,6 +55,21 @@ _ALLOWED_KEYS: dict[str, tuple[str, ...]] = {
     "slack": ("scheme", "secret_env", "tolerance"),
     "shopify": ("scheme", "secret_env"),
     "gitlab": ("scheme", "secret_env"),
+    "zoom": ("scheme", "secret_env", "tolerance"),
+    "meta": ("scheme", "secret_env", "verify_token_env"),
+    "paddle": ("scheme", "secret_env", "tolerance"),
+    "linear": ("scheme", "secret_env", "tolerance"),
+    "square": ("scheme", "secret_env", "url"),
+    "twilio": ("scheme", "secret_env", "url"),
+    "twitter": ("scheme", "secret_env"),
+    "discord": ("scheme", "secret_env", "tolerance"),
+    "sns": SNS_KEYS,
+}
+
+# What `url` names for each scheme that signs one, for the message when it is missing.
+_URL_HINTS = {
+    "square": "the notification URL of the subscription, as configured in Square",
+    "twilio": "the full URL Twilio requests, query string included, as configured in Twilio",
 }
 
 # What secret_env entries may look like (a POSIX-style variable name).
@@ -107,6 +128,8 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
 
     if scheme == "none":
         return VerifySpec(scheme="none", secret_env=(), secrets=())
+    if scheme == "sns":  # no secret: AWS's certificate (gateway/signatures/sns.py)
+        return VerifySpec(scheme="sns", secret_env=(), secrets=(), sns=parse_sns(raw, fail))
 
     names = _parse_secret_env(raw.get("secret_env"), fail)
     secret_values: list[str] = []
@@ -116,15 +139,18 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
             raise fail("verify.secret_env", f"environment variable {var} is not set")
         if value == "":
             raise fail("verify.secret_env", f"environment variable {var} is empty")
-        if scheme == "standard" and standard_key(value) is None:
+        problem = key_problem(scheme, var, value)  # Ed25519 keys: whpk_/whsk_, discord
+        if problem:
+            raise fail("verify.secret_env", problem)
+        if scheme == "standard" and standard_key(value) is None and not is_asymmetric(value):
             raise fail(
                 "verify.secret_env",
                 f"environment variable {var} does not hold a Standard Webhooks secret "
-                f"(expected {WHSEC} followed by non-empty base64)",
+                f"(expected {WHSEC} followed by non-empty base64, or {WHPK}/{WHSK} for v1a)",
             )
         secret_values.append(value)
 
-    tolerance = DEFAULT_TOLERANCE
+    tolerance = TOLERANCES.get(scheme, DEFAULT_TOLERANCE)
     if "tolerance" in raw:
         tol = raw["tolerance"]
         # bool is an int subclass; `tolerance: yes` is not a number of seconds.
@@ -136,12 +162,28 @@ def parse_verify(raw: object, *, file: str, trigger: str, env: Mapping[str, str]
         tolerance = tol
 
     if scheme in PRESETS:
+        url = _parse_url(raw, scheme, fail) if scheme in URL_SCHEMES else None
+        token_env: tuple[str, ...] = ()
+        tokens: list[str] = []
+        if "verify_token_env" in raw:
+            # Secrets too (Meta's GET subscription check compares one), read as
+            # secret_env is; the handshake compares them, verify() never does.
+            token_env = _parse_secret_env(raw["verify_token_env"], fail, "verify.verify_token_env")
+            for var in token_env:
+                value = env.get(var)
+                if not value:
+                    problem = "is not set" if value is None else "is empty"
+                    raise fail("verify.verify_token_env", f"environment variable {var} {problem}")
+                tokens.append(value)
         # Everything else is fixed by the preset (VerifySpec fills it in).
         return VerifySpec(
             scheme=scheme,  # type: ignore[arg-type]  # narrowed by the SCHEMES check
             secret_env=names,
             secrets=tuple(secret_values),
             tolerance=tolerance,
+            url=url,
+            verify_token_env=token_env,
+            verify_tokens=tuple(tokens),
         )
 
     header: str | None = None
@@ -224,23 +266,54 @@ def _parse_signed_payload(
     return timestamp_header, signed_payload
 
 
+def _parse_url(raw: Mapping[str, object], scheme: str, fail: _Fail) -> str:
+    """`url` of square and twilio: the absolute http(s) URL the sender signs, as given
+    (it is signed character for character, so nothing is normalised)."""
+    if "url" not in raw:
+        raise fail(
+            "verify.url",
+            f"is required for scheme {scheme}: {_URL_HINTS[scheme]} "
+            f"(e.g. https://hooks.example.com/hooks/{scheme})",
+        )
+    url = raw["url"]
+    if not isinstance(url, str):
+        raise fail("verify.url", f"must be a URL such as https://hooks.example.com/, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises ValueError
+    except ValueError:
+        raise fail("verify.url", "is not a valid URL") from None
+    if "@" in parts.netloc:
+        # Checked first and never echoed: a user:password there is a credential.
+        raise fail("verify.url", "must not contain credentials (user:password@)")
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        raise fail("verify.url", f"must be an absolute http or https URL, got {url!r}")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise fail("verify.url", f"must not contain spaces or control characters, got {url!r}")
+    if parts.fragment:
+        raise fail("verify.url", f"must not have a #fragment (no sender signs one), got {url!r}")
+    return url
+
+
 def _parse_header(value: object, fld: str, fail: _Fail) -> str:
     if not is_header_name(value):
         raise fail(fld, f"must be a header name, got {value!r}")
     return value
 
 
-def _parse_secret_env(value: object, fail: _Fail) -> tuple[str, ...]:
+def _parse_secret_env(
+    value: object, fail: _Fail, fld: str = "verify.secret_env"
+) -> tuple[str, ...]:
     if value is None:
         raise fail(
-            "verify.secret_env",
+            fld,
             "is required: the name of the environment variable holding the secret, "
             "or a list of names to allow rotation",
         )
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items:
         raise fail(
-            "verify.secret_env",
+            fld,
             "must be a variable name or a non-empty list of variable names",
         )
     names: list[str] = []
@@ -249,12 +322,12 @@ def _parse_secret_env(value: object, fail: _Fail) -> tuple[str, ...]:
             # The entry is not echoed: the likeliest cause is a secret pasted
             # where its variable's name belongs.
             raise fail(
-                "verify.secret_env",
+                fld,
                 "entries must be environment variable names (letters, digits and _, "
                 "not starting with a digit); the secret itself goes in that variable",
             )
         if item in names:
-            raise fail("verify.secret_env", f"{item} is listed twice")
+            raise fail(fld, f"{item} is listed twice")
         names.append(item)
     return tuple(names)
 

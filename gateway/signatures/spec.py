@@ -13,15 +13,20 @@ import hmac
 import re
 from dataclasses import dataclass, field, fields
 
+from gateway.signatures.ed25519 import is_asymmetric, public_keys
 from gateway.signatures.schemes import (
     DEFAULT_TOLERANCE,
     HMAC_SCHEMES,
     PRESETS,
+    TOLERANCES,
+    URL_SCHEMES,
     Algorithm,
     Encoding,
     Scheme,
     standard_key,
 )
+from gateway.signatures.sns import SnsSettings, describe_sns
+from gateway.signatures.twilio import url_variants
 
 __all__ = [
     "TIMESTAMP_DOT_BODY",
@@ -48,9 +53,10 @@ class VerifySpec:
     """How one trigger authenticates deliveries.
 
     ``secrets`` and every derived key are excluded from ``repr`` so that a spec
-    can be logged or shown in a traceback without leaking anything. For the
-    presets (``slack``, ``shopify``, ``gitlab``) the header, encoding and signed
-    payload fields hold the sender's values once constructed.
+    can be logged or shown in a traceback without leaking anything (so are
+    ``verify_tokens``). For the presets (``slack``, ``shopify``, ``gitlab``, ``zoom``,
+    ``meta``, ...) the header, encoding and signed payload fields hold the sender's
+    values once constructed.
     """
 
     scheme: Scheme
@@ -65,6 +71,15 @@ class VerifySpec:
     # `tolerance`, and what is signed: a template over {timestamp} and {body}.
     timestamp_header: str | None = None
     signed_payload: str | None = None
+    # square and twilio: the URL the sender posts to, which it signs (URL_SCHEMES).
+    url: str | None = None
+    # meta only: the variables holding the verify token(s) Meta's GET subscription
+    # check sends (compared by the handshake), and their values, kept as secret.
+    verify_token_env: tuple[str, ...] = ()
+    verify_tokens: tuple[str, ...] = field(default=(), repr=False)
+    # sns only (it has no secret): the topics it accepts, and the hosts and CA bundle
+    # trusted to serve certificates (gateway/signatures/sns.py).
+    sns: SnsSettings | None = None
     # Derived in __post_init__ so verify() does no per-request decoding: the HMAC
     # key bytes for each secret (for `standard`, the base64-decoded key; for
     # `token`, the expected header bytes), the lower-case header names and the
@@ -73,6 +88,10 @@ class VerifySpec:
     header_key: str = field(init=False, repr=False, compare=False)
     timestamp_key: str = field(init=False, repr=False, compare=False)
     payload: tuple[Piece, ...] = field(init=False, repr=False, compare=False)
+    # twilio: the URLs a signature may cover (twilio.url_variants).
+    urls: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # standard (its whpk_/whsk_ secrets) and discord: the raw Ed25519 public keys.
+    public_keys: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # frozen=True forbids normal assignment; everything set here is either a
@@ -86,6 +105,8 @@ class VerifySpec:
         if self.scheme == "standard":
             keys: list[bytes] = []
             for secret in self.secrets:
+                if is_asymmetric(secret):  # v1a's Ed25519 key: public_keys below
+                    continue
                 key = standard_key(secret)
                 if key is None:
                     # No value in the message: it would be the secret itself.
@@ -96,10 +117,23 @@ class VerifySpec:
             derived = tuple(s.encode("utf-8") for s in self.secrets)
         if self.scheme in ("hmac", "token") and not self.header:
             raise ValueError(f"scheme {self.scheme} needs a header")
-        if self.scheme != "none" and not self.secrets:
+        if self.scheme not in ("none", "sns") and not self.secrets:
             raise ValueError(f"scheme {self.scheme} needs at least one secret")
+        if (self.scheme == "sns") != (self.sns is not None):
+            raise ValueError("scheme sns, and it alone, has sns settings (topic_arn)")
+        object.__setattr__(self, "public_keys", public_keys(self.scheme, self.secrets))
+        if self.scheme in URL_SCHEMES and not self.url:
+            raise ValueError(f"scheme {self.scheme} needs a url")
+        if self.url and self.scheme not in URL_SCHEMES:
+            raise ValueError(f"scheme {self.scheme} signs no url")
+        if (self.verify_token_env or self.verify_tokens) and self.scheme != "meta":
+            raise ValueError("only scheme meta has verify tokens")
         payload: tuple[Piece, ...] = ()
-        if self.scheme in HMAC_SCHEMES:
+        if self.scheme == "square":
+            # Square signs the notification URL followed by the body. The URL is
+            # literal text, not a template: a '{' in it must not read as a placeholder.
+            payload = (("text", (self.url or "").encode("utf-8")), ("body", b""))
+        elif self.scheme in HMAC_SCHEMES:
             if self.signed_payload is None:
                 template = TIMESTAMP_DOT_BODY if self.timestamp_header else _BODY_ONLY
                 object.__setattr__(self, "signed_payload", template)
@@ -108,6 +142,8 @@ class VerifySpec:
         object.__setattr__(self, "header_key", (self.header or "").lower())
         object.__setattr__(self, "timestamp_key", (self.timestamp_header or "").lower())
         object.__setattr__(self, "payload", payload)
+        urls = url_variants(self.url or "") if self.scheme == "twilio" else ()
+        object.__setattr__(self, "urls", urls)
 
 
 # What a preset's field holds when the caller left it alone.
@@ -180,6 +216,11 @@ def describe(spec: VerifySpec) -> str:
         return label
     if spec.scheme == "token":
         return f"token {spec.header}"
-    if spec.scheme in ("stripe", "standard", "slack") and spec.tolerance != DEFAULT_TOLERANCE:
+    if spec.scheme == "sns" and spec.sns is not None:
+        return describe_sns(spec.sns)
+    timestamped = ("stripe", "standard", "slack", "zoom", "paddle", "linear", "discord")
+    if spec.scheme in timestamped and spec.tolerance != TOLERANCES.get(
+        spec.scheme, DEFAULT_TOLERANCE
+    ):
         return f"{spec.scheme} ±{spec.tolerance} s"
     return spec.scheme

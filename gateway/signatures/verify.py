@@ -12,6 +12,10 @@ import base64
 import hmac
 from typing import Protocol
 
+import orjson
+
+from gateway.signatures import twilio
+from gateway.signatures.ed25519 import MAX_SIGNATURES, any_valid, from_base64, from_hex
 from gateway.signatures.schemes import (
     GITHUB_HEADER,
     GITHUB_PREFIX,
@@ -20,9 +24,10 @@ from gateway.signatures.schemes import (
     STRIPE_HEADER,
     header_bytes,
 )
+from gateway.signatures.sns import Certificates, verify_body
 from gateway.signatures.spec import VerifySpec, encode_digest
 
-__all__ = ["HeaderLookup", "verify"]
+__all__ = ["HeaderLookup", "crc_response", "verify"]
 
 # Header names are looked up lower-cased (Starlette's Headers are case-insensitive,
 # but lower-casing once here keeps other mappings working too).
@@ -90,12 +95,24 @@ def _any_match(candidates: list[bytes], expected: bytes) -> bool:
     return any(hmac.compare_digest(c, expected) for c in candidates)
 
 
-def verify(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> str | None:
+def verify(
+    spec: VerifySpec,
+    headers: HeaderLookup,
+    body: bytes,
+    now: float,
+    certificates: Certificates | None = None,
+) -> str | None:
     """Return None when the delivery is authentic, else a short reason.
 
     The reason names headers and the rule that failed, never a secret or a
     signature value, so it can be logged and returned to the sender.
+    ``certificates``: scheme ``sns`` only (other schemes ignore it), the signing
+    certificates gateway/ingest/sns_certs.py fetched for this delivery; a message
+    whose certificate it lacks is refused, never fetched from here.
     """
+    if spec.scheme == "sns" and spec.sns is not None:
+        # The signature is in the JSON body (gateway/signatures/sns.py).
+        return verify_body(spec.sns, body, certificates or {}, now)
     try:
         return _VERIFIERS[spec.scheme](spec, headers, body, now)
     except _Reject as reject:
@@ -184,24 +201,36 @@ def _verify_standard(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: 
     if timestamp is None:
         raise _Reject(f"malformed header {timestamp_label}")
     candidates: list[bytes] = []
+    asymmetric: list[bytes] = []
     for entry in signature.split():
         version, sep, sig = entry.partition(",")
-        # v1a entries are ed25519 (asymmetric) signatures, which a shared
-        # secret cannot check; they are skipped, not treated as failures.
-        if sep and version == "v1":
+        # v1 entries are HMACs, checked with the whsec_ secrets; v1a entries are
+        # Ed25519 signatures, checked with the whpk_/whsk_ keys (ed25519.py). An entry
+        # no key of the spec can check is skipped, not treated as a failure.
+        if sep and version == "v1" and spec.keys:
             candidates.append(header_bytes(sig))
-    if not candidates:
-        raise _Reject(f"no v1 signature in {signature_label}")
+        elif sep and version == "v1a" and spec.public_keys:
+            asymmetric.append(header_bytes(sig))
+    if not candidates and not asymmetric:
+        wanted = [v for v, keys in (("v1", spec.keys), ("v1a", spec.public_keys)) if keys]
+        raise _Reject(f"no {' or '.join(wanted)} signature in {signature_label}")
+    if len(asymmetric) > MAX_SIGNATURES:
+        # Each costs an Ed25519 check: a header of hundreds would be a CPU sink.
+        raise _Reject(f"more than {MAX_SIGNATURES} v1a signatures in {signature_label}")
     _check_time(timestamp, now, spec.tolerance)
     message = header_bytes(msg_id) + b"." + header_bytes(timestamp_text) + b"." + body
     for key in spec.keys:
         if _any_match(candidates, base64.b64encode(hmac.digest(key, message, "sha256"))):
             return None
+    signed = [raw for raw in map(from_base64, asymmetric) if raw is not None]
+    if signed and any_valid(spec.public_keys, signed, message):
+        return None
     raise _Reject("signature mismatch")
 
 
 def _verify_hmac(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
-    """`hmac`, `slack` and `shopify`: one signature header, maybe a timestamp header."""
+    """`hmac` and its presets (`slack`, `shopify`, `zoom`, `meta`, `linear`, `square`,
+    `twitter`): one signature header, maybe a timestamp header."""
     label = spec.header or ""
     value = _single(headers, spec.header_key, label)
     if not value.startswith(spec.prefix):
@@ -226,6 +255,102 @@ def _verify_hmac(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: floa
     raise _Reject("signature mismatch")
 
 
+def _verify_linear(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`linear`: the body's HMAC, then the signed body's `webhookTimestamp` (Unix ms)
+    within `tolerance` (Linear: "within a minute"). The body is parsed only once its
+    signature verified, so a forger's JSON is never parsed."""
+    _verify_hmac(spec, headers, body, now)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    stamp = data.get("webhookTimestamp") if isinstance(data, dict) else None
+    # Linear sends every event with it; a body without one could be replayed for
+    # ever, so it is refused rather than let through unchecked.
+    if isinstance(stamp, bool) or not isinstance(stamp, int):
+        raise _Reject("no webhookTimestamp (Unix ms) in the body")
+    if abs(now * 1000 - stamp) > spec.tolerance * 1000:
+        raise _Reject(f"webhookTimestamp outside tolerance ({spec.tolerance} s)")
+
+
+def _verify_paddle(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`paddle`: `Paddle-Signature: ts=<unix>;h1=<hex>[;h1=<hex>]` (one h1 per secret
+    while Paddle rotates one), HMAC-SHA256 of `<ts>:<body>`."""
+    label = spec.header or ""
+    value = _single(headers, spec.header_key, label)
+    timestamp_text: str | None = None
+    candidates: list[bytes] = []
+    for item in value.split(";"):
+        name, sep, part = item.strip().partition("=")
+        if not sep:
+            raise _Reject(f"malformed header {label}")
+        if name == "ts":
+            if timestamp_text is not None:
+                raise _Reject(f"malformed header {label}")
+            timestamp_text = part
+        elif name == "h1":
+            candidates.append(header_bytes(part.lower()))
+        # Other names are ignored, as Paddle's SDKs do: a later scheme may add some.
+    if timestamp_text is None or (timestamp := _digits(timestamp_text)) is None:
+        raise _Reject(f"malformed header {label}")
+    if not candidates:
+        raise _Reject(f"no h1 signature in {label}")
+    _check_time(timestamp, now, spec.tolerance)
+    message = timestamp_text.encode("ascii") + b":" + body
+    for key in spec.keys:
+        if _any_match(candidates, hmac.digest(key, message, "sha256").hex().encode()):
+            return None
+    raise _Reject("signature mismatch")
+
+
+# Twilio's shared-key signing (Webhook Settings) names its algorithm in this header;
+# without it the signature is the Auth Token's HMAC-SHA1.
+_TWILIO_SETTINGS = "X-Twilio-Webhooks-Signature-Settings"
+_TWILIO_ALGORITHMS = {"HMAC_SHA1": "sha1", "HMAC_SHA256": "sha256"}
+
+
+def _verify_twilio(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`twilio`: base64 HMAC of the configured URL and the form fields, or of the URL
+    with the body's SHA-256 (gateway/signatures/twilio.py)."""
+    label = spec.header or ""
+    candidate = header_bytes(_single(headers, spec.header_key, label))
+    algorithm = "sha1"
+    settings = headers.getlist(_TWILIO_SETTINGS.lower())
+    if settings:
+        named = "HMAC_SHA1"
+        for part in _only(settings, _TWILIO_SETTINGS).split(","):
+            name, sep, text = part.partition("=")
+            if sep and name.strip() == "algorithm" and text.strip():
+                named = text.strip().upper()
+        if named not in _TWILIO_ALGORITHMS:
+            raise _Reject(f"unsupported algorithm in header {_TWILIO_SETTINGS}")
+        algorithm = _TWILIO_ALGORITHMS[named]
+    types = headers.getlist("content-type")
+    if len(types) > 1:
+        # The content type decides what was signed: two of them leave that a guess.
+        raise _Reject("header Content-Type repeated")
+    form = bool(types) and twilio.is_form(types[0])
+    try:
+        messages = twilio.signed_strings(spec.urls, form, body)
+    except ValueError:
+        raise _Reject("malformed form body (not UTF-8 form encoding)") from None
+    for key in spec.keys:
+        expected = [base64.b64encode(hmac.digest(key, m, algorithm)) for m in messages]
+        if _any_match(expected, candidate):
+            return None
+    raise _Reject("signature mismatch")
+
+
+def crc_response(spec: VerifySpec, crc_token: str) -> str:
+    """The `response_token` of X's (Twitter's) CRC check, a GET with `crc_token`:
+    `sha256=` and the base64 HMAC-SHA256 of the token, keyed with the consumer secret
+    (the first of `secret_env`, the current one while secrets rotate)."""
+    if spec.scheme != "twitter":
+        raise ValueError(f"scheme {spec.scheme} has no CRC check")
+    digest = hmac.digest(spec.keys[0], crc_token.encode("utf-8"), "sha256")
+    return "sha256=" + base64.b64encode(digest).decode("ascii")
+
+
 def _verify_token(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
     """`token` and `gitlab`: the header holds the shared token itself."""
     label = spec.header or ""
@@ -244,6 +369,23 @@ def _verify_none(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: floa
     return None
 
 
+def _verify_discord(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    """`discord`: Ed25519 (hex) of the timestamp header's text followed by the body,
+    with the application's public key (gateway/signatures/ed25519.py)."""
+    signature = _single(headers, spec.header_key, spec.header or "")
+    timestamp_text = _single(headers, spec.timestamp_key, spec.timestamp_header or "")
+    timestamp = _digits(timestamp_text)
+    if timestamp is None:
+        raise _Reject(f"malformed header {spec.timestamp_header}")
+    # Cheap and keyless, so before the signature (as for stripe).
+    _check_time(timestamp, now, spec.tolerance)
+    raw = from_hex(signature)
+    if raw is None:
+        raise _Reject(f"malformed header {spec.header}")
+    if not any_valid(spec.public_keys, [raw], timestamp_text.encode("ascii") + body):
+        raise _Reject("signature mismatch")
+
+
 _VERIFIERS = {
     "github": _verify_github,
     "stripe": _verify_stripe,
@@ -254,4 +396,12 @@ _VERIFIERS = {
     "slack": _verify_hmac,
     "shopify": _verify_hmac,
     "gitlab": _verify_token,
+    "zoom": _verify_hmac,
+    "meta": _verify_hmac,
+    "paddle": _verify_paddle,
+    "linear": _verify_linear,
+    "square": _verify_hmac,
+    "twilio": _verify_twilio,
+    "twitter": _verify_hmac,
+    "discord": _verify_discord,
 }
