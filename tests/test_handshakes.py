@@ -262,6 +262,9 @@ def test_a_stripe_trigger_refuses_the_other_mode_and_another_api_version(
         "this trigger takes events of API version 2024-06-20; this one has '2020-08-27': "
         "nothing was started"
     )
+    odd = send({"id": "evt_x", "livemode": [True], "api_version": "2024-06-20"})
+    assert (odd["outcome"], odd["code"]) == ("refused", "STATE_STRIPE_LIVEMODE")
+    assert "this one is of no mode" in odd["message"]
     assert run_state_keys(db) == []
     live = send({"id": "evt_l", "livemode": True, "api_version": "2024-06-20"})
     assert live["outcome"] == "started"

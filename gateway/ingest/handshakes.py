@@ -141,7 +141,10 @@ class StripeRules:
 
 
 def _mode(livemode: object) -> str:
-    return {True: "live-mode", False: "test-mode"}.get(livemode, "of no mode")  # type: ignore[call-overload]
+    # `is`, not a lookup: the body's value may be anything, a list included.
+    if livemode is True:
+        return "live-mode"
+    return "test-mode" if livemode is False else "of no mode"
 
 
 class _Trigger(Protocol):
@@ -161,7 +164,7 @@ def answer_post(
     trigger: _Trigger, headers: HeaderLookup, doc: object, query: Mapping[str, str]
 ) -> Answer | None:
     """The handshake a verified POST is, for ``trigger``; None when it is a delivery.
-    (SNS's subscription confirmation, which must visit a URL, is ``sns_confirmation``.)"""
+    (SNS's subscription confirmation, which must visit a URL: ``is_sns_confirmation``.)"""
     if trigger.respond is not None:
         answer = trigger.respond.answer(headers, doc, query)
         if answer is not None:

@@ -173,7 +173,7 @@ class Webhooks:
                 if method == "POST" and taking:
                     await self._deliver(scope, receive, send, taking, serving)
                 elif method == "GET" and taking:
-                    await self._handshake(scope, send, taking)
+                    await self._handshake(scope, send, taking, serving)
                 else:
                     await _reply(send, _not_allowed(triggers))
                 return
@@ -286,7 +286,9 @@ class Webhooks:
             )  # fmt: skip
         await _reply(send, reply)
 
-    async def _handshake(self, scope: Scope, send: Send, triggers: Sequence[Trigger]) -> None:
+    async def _handshake(
+        self, scope: Scope, send: Send, triggers: Sequence[Trigger], serving: Serving
+    ) -> None:
         """A GET: a sender's handshake (meta's subscription check, twitter's CRC, a
         respond rule), answered at once and recorded; never a delivery."""
         started = time.perf_counter()
@@ -300,8 +302,7 @@ class Webhooks:
         else:
             reply = delivery.Reply(answer.status, orjson.loads(answer.body), walk=walk)
         self.delivery_log.observe(scope["path"], reply, started)
-        serving = self.serving
-        if self.recorder is not None and serving is not None:
+        if self.recorder is not None:
             self.recorder.add(
                 Received(
                     received_ms, scope["path"], reply, (time.perf_counter() - started) * 1000,
