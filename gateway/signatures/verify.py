@@ -136,33 +136,53 @@ def _verify_github(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: fl
 
 
 def _verify_stripe(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: float) -> None:
+    # v0 and unknown schemes are ignored, as Stripe's own libraries do.
     value = _single(headers, _STRIPE_KEY, STRIPE_HEADER)
+    _timestamped_hmac(spec, value, STRIPE_HEADER, now, body, items=",", stamp="t",
+                      signature="v1", joint=b".")  # fmt: skip
+
+
+def _timestamped_hmac(
+    spec: VerifySpec,
+    value: str,
+    label: str,
+    now: float,
+    body: bytes,
+    *,
+    items: str,
+    stamp: str,
+    signature: str,
+    joint: bytes,
+) -> None:
+    """Stripe's and Paddle's header: ``<stamp>=<unix>`` and one or more
+    ``<signature>=<hex>`` items (one per secret while one rotates), separated by
+    ``items``; each an HMAC-SHA256 of the timestamp text, ``joint`` and the body.
+    Other names are ignored, as the senders' libraries do: a later scheme may add some."""
     timestamp_text: str | None = None
     candidates: list[bytes] = []
-    for item in value.split(","):
+    for item in value.split(items):
         name, sep, part = item.strip().partition("=")
         if not sep:
-            raise _Reject(f"malformed header {STRIPE_HEADER}")
-        if name == "t":
+            raise _Reject(f"malformed header {label}")
+        if name == stamp:
             if timestamp_text is not None:
-                raise _Reject(f"malformed header {STRIPE_HEADER}")
+                raise _Reject(f"malformed header {label}")
             timestamp_text = part
-        elif name == "v1":
+        elif name == signature:
             candidates.append(header_bytes(part.lower()))
-        # v0 and unknown schemes are ignored, as Stripe's own libraries do.
     if timestamp_text is None or (timestamp := _digits(timestamp_text)) is None:
-        raise _Reject(f"malformed header {STRIPE_HEADER}")
+        raise _Reject(f"malformed header {label}")
     if not candidates:
-        raise _Reject(f"no v1 signature in {STRIPE_HEADER}")
+        raise _Reject(f"no {signature} signature in {label}")
     # The time check is cheap and needs no key, so it runs before any HMAC.
     _check_time(timestamp, now, spec.tolerance)
-    # Stripe signs the timestamp text exactly as it appears in the header.
-    message = timestamp_text.encode("ascii") + b"." + body
+    # The sender signs the timestamp text exactly as it appears in the header.
+    message = timestamp_text.encode("ascii") + joint + body
     for key in spec.keys:
         # Computed per key and stopped at the first match: with rotation the
         # current secret is listed first, so the common case costs one HMAC.
         if _any_match(candidates, hmac.digest(key, message, "sha256").hex().encode()):
-            return None
+            return
     raise _Reject("signature mismatch")
 
 
@@ -278,29 +298,8 @@ def _verify_paddle(spec: VerifySpec, headers: HeaderLookup, body: bytes, now: fl
     while Paddle rotates one), HMAC-SHA256 of `<ts>:<body>`."""
     label = spec.header or ""
     value = _single(headers, spec.header_key, label)
-    timestamp_text: str | None = None
-    candidates: list[bytes] = []
-    for item in value.split(";"):
-        name, sep, part = item.strip().partition("=")
-        if not sep:
-            raise _Reject(f"malformed header {label}")
-        if name == "ts":
-            if timestamp_text is not None:
-                raise _Reject(f"malformed header {label}")
-            timestamp_text = part
-        elif name == "h1":
-            candidates.append(header_bytes(part.lower()))
-        # Other names are ignored, as Paddle's SDKs do: a later scheme may add some.
-    if timestamp_text is None or (timestamp := _digits(timestamp_text)) is None:
-        raise _Reject(f"malformed header {label}")
-    if not candidates:
-        raise _Reject(f"no h1 signature in {label}")
-    _check_time(timestamp, now, spec.tolerance)
-    message = timestamp_text.encode("ascii") + b":" + body
-    for key in spec.keys:
-        if _any_match(candidates, hmac.digest(key, message, "sha256").hex().encode()):
-            return None
-    raise _Reject("signature mismatch")
+    _timestamped_hmac(spec, value, label, now, body, items=";", stamp="ts", signature="h1",
+                      joint=b":")  # fmt: skip
 
 
 # Twilio's shared-key signing (Webhook Settings) names its algorithm in this header;
