@@ -121,13 +121,9 @@ class CertificateCache:
 
     async def _fetch(self, settings: SnsSettings, key: CertificateKey, url: str) -> str | None:
         self.fetches += 1
-        try:
-            async with _client(settings) as client:
-                response = await client.get(url)
-        except httpx.TimeoutException:
-            return f"signing certificate fetch timed out ({FETCH_TIMEOUT:g} s)"
-        except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
-            return f"signing certificate fetch failed ({type(exc).__name__})"
+        response = await _get(settings, url, "signing certificate fetch")
+        if isinstance(response, str):
+            return response
         if response.status_code != 200:
             return f"signing certificate fetch answered {response.status_code}"
         if len(response.content) > MAX_CERTIFICATE_BYTES:
@@ -161,6 +157,18 @@ def _client(settings: SnsSettings) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         verify=_tls(settings.ca_file), timeout=FETCH_TIMEOUT, follow_redirects=False
     )
+
+
+async def _get(settings: SnsSettings, url: str, what: str) -> httpx.Response | str:
+    """GET ``url`` (its host already checked), or why it could not be had (``what``
+    names the request in the reason)."""
+    try:
+        async with _client(settings) as client:
+            return await client.get(url)
+    except httpx.TimeoutException:
+        return f"{what} timed out ({FETCH_TIMEOUT:g} s)"
+    except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
+        return f"{what} failed ({type(exc).__name__})"
 
 
 def _settings(spec: VerifySpec) -> SnsSettings | None:
@@ -233,13 +241,9 @@ async def visit_subscribe_url(spec: VerifySpec, url: object) -> str | None:
     if problem:
         return problem
     assert isinstance(url, str)
-    try:
-        async with _client(settings) as client:
-            response = await client.get(url)
-    except httpx.TimeoutException:
-        return f"SubscribeURL visit timed out ({FETCH_TIMEOUT:g} s)"
-    except (httpx.HTTPError, ssl.SSLError, OSError) as exc:
-        return f"SubscribeURL visit failed ({type(exc).__name__})"
+    response = await _get(settings, url, "SubscribeURL visit")
+    if isinstance(response, str):
+        return response
     if not 200 <= response.status_code < 300:
         return f"SubscribeURL answered {response.status_code}"
     return None
