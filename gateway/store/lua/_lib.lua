@@ -197,9 +197,10 @@ local function end_waiting(run_key, run_id, phase, now, retention_ms, pointer, k
   end
   redis.call('HSET', run_key, 'phase', phase, 'updated_ms', now, 'ended_ms', now)
   redis.call('PEXPIRE', run_key, retention_ms)
-  if pointer and redis.call('HGET', pointer, 'run') == run_id then
+  local held = pointer and redis.call('HMGET', pointer, 'run', 'live')
+  if held and held[1] == run_id then
     redis.call('HSET', pointer, 'phase', phase)
-    if not redis.call('HGET', pointer, 'live') or redis.call('HGET', pointer, 'live') == '' then
+    if (held[2] or '') == '' then
       redis.call('PEXPIRE', pointer, retention_ms)
       redis.call('PEXPIRE', keyruns, retention_ms)
     end
@@ -392,6 +393,20 @@ local function parse_flow(text)
           debounce = tonumber(debounce), max_wait = tonumber(max_wait), delay = tonumber(delay)}
 end
 
+-- Write a new run's hash (claim, enqueue) in `phase`, with the field its phase has of
+-- its own, if any ('entry': its first step's stream entry; 'due_ms': when a scheduled
+-- run starts).
+local function write_run(k, a, phase, now, rerun_of, field, value)
+  local fields = {'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', phase,
+    'step', a.first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
+    'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of}
+  if field then
+    fields[#fields + 1] = field
+    fields[#fields + 1] = value
+  end
+  redis.call('HSET', k.run, unpack(fields))
+end
+
 -- A debounced start whose key names a scheduled run: that run takes this start's params
 -- and its due time moves to now + debounce, never past its creation + max_wait. Its
 -- markers name that run, so a redelivery of this event changes nothing.
@@ -432,10 +447,7 @@ local function enqueue(k, a, now, now_us, placed, gone, live)
       return {'queue_full', '', tostring(count), '', '', '0'}
     end
   end
-  redis.call('HSET', k.run,
-    'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', 'queued',
-    'step', a.first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
-    'created_ms', now, 'updated_ms', now, 'rerun_of', '')
+  write_run(k, a, 'queued', now, '')
   redis.call('ZADD', k.index, now_us + a.seq, a.id)
   redis.call('ZADD', k.queue, now_us + a.seq, a.id)
   redis.call('ZADD', k.queued, now_us + a.seq, a.id)
@@ -631,19 +643,13 @@ local function claim(k, a, now, now_us)
   end
   local phase = due and 'scheduled' or 'running'
   if due then
-    redis.call('HSET', k.run,
-      'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', phase,
-      'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
-      'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'due_ms', due)
+    write_run(k, a, phase, now, rerun_of, 'due_ms', due)
     redis.call('ZADD', k.due, due, a.id)
   else
     local entry = redis.call('XADD', k.stream, '*', 'run_id', a.id, 'workflow', a.workflow,
       'step', first, 'params', a.params)
     -- `entry`: the stream entry of the step the run is at, for the runners.
-    redis.call('HSET', k.run,
-      'id', a.id, 'workflow', a.workflow, 'key', a.key, 'phase', phase,
-      'step', first, 'steps', a.steps, 'params', a.params, 'fp', a.fp,
-      'created_ms', now, 'updated_ms', now, 'rerun_of', rerun_of, 'entry', entry)
+    write_run(k, a, phase, now, rerun_of, 'entry', entry)
   end
   -- The workflow's index orders listings only: the time (unique per script call,
   -- which takes more than a microsecond) plus the item's place in its batch.
