@@ -15,17 +15,15 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
-import yaml
 from redis.asyncio import Redis
 
 from gateway.ingest.dryrun import dry_run
-from gateway.ingest.triggers import parse_triggers
 from gateway.loading import parse_config
-from gateway.model.errors import ConfigError
 from gateway.store.runs import Flow
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import start_due
 from tests.listener import Listener
+from tests.trigger_yaml import compiled, refusal
 
 WF = "single"  # one step, `only` (tests/conftest.py)
 KEY = "cus_1"
@@ -156,15 +154,6 @@ async def test_the_preview_says_schedule_and_debounce(store: RunStore) -> None:
     assert decision == "debounce"
 
 
-BASE = """
-t:
-  workflow: deploy
-  path: /hooks/x
-  verify: {scheme: none}
-  event_id: {jsonpath: $.id}
-"""
-
-
 @pytest.mark.parametrize(
     ("extra", "field", "reason"),
     [
@@ -180,19 +169,15 @@ t:
 def test_a_wrong_debounce_or_delay_is_refused_naming_its_field(
     extra: str, field: str, reason: str
 ) -> None:
-    raw = yaml.safe_load(BASE + f"  {extra}\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
+    message = refusal(extra)
+    assert f"field '{field}'" in message and reason in message
 
 
 def test_debounce_and_delay_compile_to_their_flow() -> None:
-    raw = yaml.safe_load(BASE + "  debounce: {period: 30s, max_wait: 5m}\n")
-    trigger = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})["t"]
-    assert trigger.flow == Flow(debounce_ms=30_000, max_wait_ms=300_000)
-    raw = yaml.safe_load(BASE + "  delay: 10m\n")
-    trigger = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})["t"]
-    assert trigger.flow == Flow(delay_ms=600_000)
+    assert compiled("debounce: {period: 30s, max_wait: 5m}").flow == Flow(
+        debounce_ms=30_000, max_wait_ms=300_000
+    )
+    assert compiled("delay: 10m").flow == Flow(delay_ms=600_000)
 
 
 # ------------------------------------------------------------------ listeners

@@ -18,12 +18,10 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
-import yaml
 
-from gateway.ingest.triggers import parse_triggers
-from gateway.model.errors import ConfigError
 from tests.listener import Listener, run_state_keys
 from tests.signing import slack_headers
+from tests.trigger_yaml import BASE, refusal
 
 SLACK_SECRET = "slack-signing-secret-7f3a"
 META_APP_SECRET = "meta-app-secret-19bd"
@@ -270,15 +268,6 @@ def test_a_stripe_trigger_refuses_the_other_mode_and_another_api_version(
     assert live["outcome"] == "started"
 
 
-BASE = """
-t:
-  workflow: deploy
-  path: /hooks/x
-  verify: {scheme: none}
-  event_id: {jsonpath: $.id}
-"""
-
-
 @pytest.mark.parametrize(
     ("extra", "field", "reason"),
     [
@@ -297,17 +286,11 @@ t:
     ],
 )  # fmt: skip
 def test_a_wrong_handshake_field_is_refused_naming_it(extra: str, field: str, reason: str) -> None:
-    raw = yaml.safe_load(BASE + f"  {extra}\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
+    message = refusal(extra)
+    assert f"field '{field}'" in message and reason in message
 
 
 def test_a_wrong_stripe_rule_is_refused_naming_it(tmp_path: Path) -> None:
-    raw = yaml.safe_load(
-        BASE.replace("{scheme: none}", "{scheme: stripe, secret_env: S}")
-        + "  stripe: {api_version: 2024-06-20}\n"
-    )
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={"S": "whsec_x"})
-    assert "field 'stripe.api_version'" in str(refused.value)
+    stripe = BASE.replace("{scheme: none}", "{scheme: stripe, secret_env: S}")
+    message = refusal("stripe: {api_version: 2024-06-20}", {"S": "whsec_x"}, stripe)
+    assert "field 'stripe.api_version'" in message

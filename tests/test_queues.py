@@ -16,18 +16,17 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
-import yaml
 from redis.asyncio import Redis
 
 from gateway.ingest.dryrun import dry_run
-from gateway.ingest.triggers import parse_triggers
 from gateway.loading import parse_config
-from gateway.model.errors import ConfigError, RealmError
+from gateway.model.errors import RealmError
 from gateway.store.reconcile import reconcile
 from gateway.store.runs import Flow
 from gateway.store.runstore import RunStore
 from gateway.store.sweep import sweep
 from tests.listener import Listener
+from tests.trigger_yaml import compiled, refusal
 
 WF = "single"
 # One attempt a step: a runner's failure ends the run (and starts the next).
@@ -286,15 +285,6 @@ async def test_a_batch_refuses_the_queue_policy(store: RunStore) -> None:
     assert refused.value.code == "VALIDATION_PARAMS" and "single starts" in refused.value.message
 
 
-BASE = """
-t:
-  workflow: deploy
-  path: /hooks/x
-  verify: {scheme: none}
-  event_id: {jsonpath: $.id}
-"""
-
-
 @pytest.mark.parametrize(
     ("extra", "field", "reason"),
     [
@@ -313,18 +303,14 @@ t:
     ],
 )
 def test_a_wrong_queue_is_refused_naming_its_field(extra: str, field: str, reason: str) -> None:
-    raw = yaml.safe_load(BASE + f"  {extra}\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
+    message = refusal(extra)
+    assert f"field '{field}'" in message and reason in message
 
 
 def test_a_queue_trigger_compiles_to_its_flow() -> None:
-    raw = yaml.safe_load(
-        BASE
-        + "  on_live_match: queue\n  queue: {max: 5, keep: newest}\n  concurrency: {limit: 2}\n"
+    trigger = compiled(
+        "on_live_match: queue\n  queue: {max: 5, keep: newest}\n  concurrency: {limit: 2}"
     )
-    trigger = parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})["t"]
     assert trigger.flow == Flow(limit=2, queue_max=5, keep="newest")
 
 

@@ -17,13 +17,12 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
-import yaml
 
-from gateway.ingest.triggers import parse_triggers
 from gateway.loading import parse_config
 from gateway.model.errors import ConfigError, RealmError
 from gateway.store.runstore import RunStore
 from tests.listener import Listener
+from tests.trigger_yaml import BASE, refusal
 
 WF = "single"  # one step, `only` (tests/conftest.py)
 
@@ -97,15 +96,6 @@ async def test_the_preview_says_rate_limited(store: RunStore) -> None:
     assert decision == "start"
 
 
-BASE = """
-t:
-  workflow: deploy
-  path: /hooks/x
-  verify: {scheme: none}
-  event_id: {jsonpath: $.id}
-"""
-
-
 @pytest.mark.parametrize(
     ("spec", "field", "reason"),
     [
@@ -118,10 +108,8 @@ t:
     ],
 )
 def test_a_wrong_rate_limit_is_refused_naming_its_field(spec: str, field: str, reason: str) -> None:
-    raw = yaml.safe_load(BASE + f"  rate_limit: {spec}\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
+    message = refusal(f"rate_limit: {spec}")
+    assert f"field '{field}'" in message and reason in message
 
 
 def test_a_window_apart_from_the_key_needs_one_partition() -> None:

@@ -16,15 +16,14 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
-import yaml
 
 from gateway.ingest.dryrun import dry_run
 from gateway.ingest.ordering import order_number
-from gateway.ingest.triggers import parse_triggers
 from gateway.loading import parse_config
 from gateway.model.errors import ConfigError, RealmError
 from gateway.store.runstore import RunStore
 from tests.listener import Listener
+from tests.trigger_yaml import BASE, refusal
 
 WF = "single"  # one step, `only` (tests/conftest.py)
 KEY = "sub-1"
@@ -157,15 +156,6 @@ def test_order_values_are_numbers_times_or_dates(value: Any, number: float | Non
     assert order_number(value) == number
 
 
-BASE = """
-t:
-  workflow: deploy
-  path: /hooks/x
-  verify: {scheme: none}
-  event_id: {jsonpath: $.id}
-"""
-
-
 @pytest.mark.parametrize(
     ("order", "field", "reason"),
     [
@@ -180,10 +170,8 @@ t:
     ],
 )
 def test_a_wrong_order_is_refused_naming_its_field(order: str, field: str, reason: str) -> None:
-    raw = yaml.safe_load(BASE + f"  order: {order}\n")
-    with pytest.raises(ConfigError) as refused:
-        parse_triggers(raw, file="t.yaml", workflows=("deploy",), env={})
-    assert f"field '{field}'" in str(refused.value) and reason in str(refused.value)
+    message = refusal(f"order: {order}")
+    assert f"field '{field}'" in message and reason in message
 
 
 def test_an_entity_apart_from_the_key_needs_one_partition() -> None:
